@@ -1,0 +1,1 @@
+"""The ``pollbridge`` command line."""

@@ -1,0 +1,279 @@
+"""``pollbridge``: the command-line interface.
+
+Every option can also be set through the environment variable shown in ``--help``. Exit codes:
+0 ok, 1 a check or gate failed (or the database could not be reached), 2 usage or bad input.
+Expected errors print one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from bridge import __version__, install
+from bridge.db import check_connection, create_engine, mask_url
+from bridge.exceptions import PollbridgeError
+from bridge.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL, Settings, load_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"pollbridge: error: {message}", err=True)
+    sys.exit(code)
+
+
+class PollbridgeGroup(click.Group):
+    """Turns :class:`PollbridgeError` into a one-line message and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PollbridgeError as exc:
+            fail(str(exc), exc.exit_code)
+
+
+def settings_of(ctx: click.Context) -> Settings:
+    obj = ctx.find_root().obj
+    if obj.get("settings") is None:
+        obj["settings"] = load_settings(obj["config"], database_url=obj["database_url"], bus_url=obj["bus_url"])
+    settings: Settings = obj["settings"]
+    return settings
+
+
+@click.group(cls=PollbridgeGroup, context_settings={"show_default": True, "max_content_width": 110})
+@click.option("--config", "config", type=click.Path(dir_okay=False), envvar=ENV_CONFIG, show_envvar=True,
+              help="Configuration file (default: ./pollbridge.toml if present).")
+@click.option("--database-url", envvar=ENV_DATABASE_URL, show_envvar=True,
+              help="Database URL [default from config: sqlite:///pollbridge.db].")
+@click.option("--bus-url", envvar=ENV_BUS_URL, show_envvar=True,
+              help="Event bus URL: 'embedded' or redis://… [default from config: embedded].")
+@click.option("--log-level", envvar="POLLBRIDGE_LOG_LEVEL", show_envvar=True, default="WARNING",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.version_option(__version__, prog_name="pollbridge")
+@click.pass_context
+def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_url: str | None,
+        log_level: str) -> None:
+    """Move a workflow platform from a polling scheduler to an event-driven one."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    ctx.obj = {"config": config, "database_url": database_url, "bus_url": bus_url, "settings": None}
+
+
+@cli.command()
+@click.option("--demo-schema", is_flag=True, envvar="POLLBRIDGE_DEMO_SCHEMA", show_envvar=True,
+              help="Also create the reference legacy tables (workflow_instances, tasks) if missing.")
+@click.pass_context
+def init(ctx: click.Context, demo_schema: bool) -> None:
+    """Install pollbridge's own objects (idempotent)."""
+    settings = settings_of(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        result = install.init(engine, demo_schema=demo_schema)
+    finally:
+        engine.dispose()
+    if result.demo_tables_created:
+        click.echo(f"created demo tables: {', '.join(result.demo_tables_created)}")
+    if result.revision_before == result.revision_after:
+        click.echo(f"pollbridge already at {result.revision_after} in {mask_url(settings.database_url)}")
+    else:
+        click.echo(f"pollbridge migrated {result.revision_before or 'empty'} -> {result.revision_after} "
+                   f"in {mask_url(settings.database_url)}")
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, envvar="POLLBRIDGE_YES", show_envvar=True,
+              help="Do not ask for confirmation.")
+@click.pass_context
+def uninstall(ctx: click.Context, yes: bool) -> None:
+    """Remove pollbridge's objects. The scheduler's own tables are never touched."""
+    settings = settings_of(ctx)
+    if not yes and not click.confirm(f"Remove pollbridge's objects from {mask_url(settings.database_url)}?"):
+        fail("aborted: nothing removed", 1)
+    engine = create_engine(settings.database_url)
+    try:
+        dropped = install.uninstall(engine)
+    finally:
+        engine.dispose()
+    click.echo(f"removed: {', '.join(dropped)}" if dropped else "nothing to remove")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
+              help="Machine-readable output.")
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Check connectivity, the mapping against the real tables, migrations and DAGs. Exit 1 on a failure."""
+    from bridge.doctor import run_checks
+
+    settings = settings_of(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        checks = run_checks(engine, settings)
+    finally:
+        engine.dispose()
+    ok = all(c.ok for c in checks)
+    if as_json:
+        click.echo(json.dumps({"ok": ok, "checks": [c.__dict__ for c in checks]}, indent=2))
+    else:
+        for c in checks:
+            click.echo(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    sys.exit(0 if ok else 1)
+
+
+@cli.command()
+@click.option("--instances", default=30, type=click.IntRange(1, 1_000_000), envvar="POLLBRIDGE_DEMO_INSTANCES",
+              show_envvar=True, help="Workflow instances to seed.")
+@click.option("--tasks-per-instance", default=6, type=click.IntRange(1, 1000),
+              envvar="POLLBRIDGE_DEMO_TASKS_PER_INSTANCE", show_envvar=True, help="Tasks in each instance's DAG.")
+@click.option("--poll-interval", default=1.0, type=click.FloatRange(0.01, 3600), envvar="POLLBRIDGE_POLL_INTERVAL",
+              show_envvar=True, help="Seconds between the poller's scans.")
+@click.option("--timeout", default=300.0, type=click.FloatRange(1, 86400), envvar="POLLBRIDGE_DEMO_TIMEOUT",
+              show_envvar=True, help="Give up (exit 1) after this many seconds.")
+@click.option("--workload", "workload_file", type=click.Path(dir_okay=False, exists=True),
+              envvar="POLLBRIDGE_DEMO_WORKLOAD", show_envvar=True,
+              help="JSON file of instances to run instead of the generated ones.")
+@click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
+              help="Print the summary as JSON on stdout.")
+@click.pass_context
+def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_interval: float, timeout: float,
+         workload_file: str | None, as_json: bool) -> None:
+    """Seed a workload and run it on the legacy poller until every task is done; check the invariants."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from bridge.demo import DemoOptions, passed, run_demo
+
+    settings = settings_of(ctx)
+    options = DemoOptions(instances=instances, tasks_per_instance=tasks_per_instance,
+                          poll_interval=poll_interval, timeout=timeout, workload_file=workload_file)
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=as_json) as bar:
+        task = bar.add_task("tasks settled", total=None)
+
+        def report(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        summary = run_demo(settings, options, progress=report)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_demo(summary)
+    sys.exit(0 if passed(summary) else 1)
+
+
+def _print_demo(s: dict[str, Any]) -> None:
+    console = Console()
+    table = Table(title=f"pollbridge demo on {s['database']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key in ("tasks", "dispatches", "completed", "lost", "double_dispatched", "early"):
+        table.add_row(key, str(s[key]))
+    for path, p in s["paths"].items():
+        table.add_row(f"{path}: ready→dispatch p50 / p99 / max",
+                      f"{p['p50_ms']} / {p['p99_ms']} / {p['max_ms']} ms")
+    pol = s["poller"]
+    table.add_row("poll interval", f"{pol['interval_s']} s")
+    table.add_row("scans (empty ratio)", f"{pol['scans']} ({pol['empty_scan_ratio']})")
+    table.add_row("rows examined", str(pol["rows_examined"]))
+    table.add_row("statements per dispatch", str(pol["statements_per_dispatch"]))
+    table.add_row("elapsed", f"{s['elapsed_s']} s")
+    console.print(table)
+    for problem in s["problems"]:
+        console.print(f"[red]problem:[/red] {problem}")
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        logging.getLogger("pollbridge").info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+@cli.group()
+def poller() -> None:
+    """The reference legacy poller."""
+
+
+@poller.command("run")
+@click.option("--interval", type=click.FloatRange(0.01, 3600), default=None, envvar="POLLBRIDGE_POLL_INTERVAL",
+              show_envvar=True, help="Seconds between scans [default from config: 10].")
+@click.pass_context
+def poller_run(ctx: click.Context, interval: float | None) -> None:
+    """Scan the task table every INTERVAL seconds and dispatch ready tasks, until SIGTERM or Ctrl-C."""
+    from bridge.tasktable import reflect_tables
+    from legacy_poller.poller import LegacyPoller
+    from legacy_poller.runner import PollerRunner
+
+    settings = settings_of(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        check_connection(engine)
+        tables = reflect_tables(engine, settings.mapping)
+        poller_ = LegacyPoller(engine, tables, batch_size=settings.poller.batch_size)
+        every = interval or settings.poller.interval
+        stop = _stop_on_signals()
+        click.echo(f"poller scanning {settings.mapping.table} every {every} s on "
+                   f"{mask_url(settings.database_url)}", err=True)
+        PollerRunner(poller_, every).run_until(stop)
+        m = poller_.metrics
+        click.echo(f"poller stopped: {int(m.value('pollbridge_poller_scans_total'))} scans, "
+                   f"{int(m.value('pollbridge_poller_dispatches_total', {'path': 'poller'}))} dispatches", err=True)
+    finally:
+        engine.dispose()
+
+
+@cli.group()
+def workers() -> None:
+    """The demo worker pool."""
+
+
+@workers.command("run")
+@click.option("--concurrency", type=click.IntRange(1, 256), default=None, envvar="POLLBRIDGE_WORKERS_CONCURRENCY",
+              show_envvar=True, help="Worker threads [default from config: 4].")
+@click.pass_context
+def workers_run(ctx: click.Context, concurrency: int | None) -> None:
+    """Execute dispatched tasks and write results back, until SIGTERM or Ctrl-C."""
+    from dataclasses import replace
+
+    from bridge.tasktable import reflect_tables
+    from legacy_poller.workers import WorkerPool
+
+    settings = settings_of(ctx)
+    worker_settings = replace(settings.workers, concurrency=concurrency) if concurrency else settings.workers
+    engine = create_engine(settings.database_url, pool_size=worker_settings.concurrency + 1)
+    try:
+        check_connection(engine)
+        tables = reflect_tables(engine, settings.mapping)
+        pool = WorkerPool(engine, tables, worker_settings)
+        stop = _stop_on_signals()
+        click.echo(f"{worker_settings.concurrency} workers on {mask_url(settings.database_url)}", err=True)
+        pool.start()
+        stop.wait()
+        pool.stop()
+        stats = pool.stats()
+        click.echo(f"workers stopped: {stats.completed} completed, {stats.failed} failed", err=True)
+    finally:
+        engine.dispose()
+
+
+def main() -> None:
+    cli(prog_name="pollbridge")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Database access: engines, the database clock, statement counting and URL masking.
+
+Components accept either an :class:`~sqlalchemy.engine.Engine` or a URL; :func:`open_engine`
+returns the engine and whether the caller owns it, so a component closes only what it opened.
+
+SQLite (the embedded default) runs in WAL mode with a busy timeout, and every transaction starts
+with ``BEGIN IMMEDIATE``: pysqlite's deferred transactions turn a read-then-write race between two
+threads into an immediate ``database is locked`` error that no timeout can wait out.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.sql.elements import ColumnElement
+
+from bridge.exceptions import ConfigError, DatabaseUnavailable
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL as text with any password replaced by ``***``; safe for logs, errors and reports."""
+    try:
+        parsed = make_url(url) if isinstance(url, str) else url
+    except ArgumentError:
+        text = str(url)
+        # Not parseable as a URL: mask anything between '://user:' and '@' by hand.
+        if "://" in text and "@" in text:
+            scheme, rest = text.split("://", 1)
+            creds, host = rest.rsplit("@", 1)
+            user = creds.split(":", 1)[0]
+            return f"{scheme}://{user}:***@{host}" if ":" in creds else text
+        return text
+    return parsed.render_as_string(hide_password=True)
+
+
+def normalize_url(url: str) -> URL:
+    """Parse a database URL, selecting psycopg 3 for plain ``postgresql://`` URLs."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ConfigError(
+            f"invalid database URL {mask_url(url)!r}; expected e.g. sqlite:///pollbridge.db or "
+            "postgresql://user@host:5432/dbname"
+        ) from None
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ConfigError(
+            f"unsupported database {parsed.get_backend_name()!r} in {mask_url(parsed)}; "
+            "supported: sqlite, postgresql"
+        )
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+class StatementCounter:
+    """Counts the SQL statements an engine executes: the figure behind "statements per dispatch"."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def attach(self, engine: Engine) -> None:
+        sa.event.listen(engine, "before_cursor_execute", self._on_execute)
+
+    def _on_execute(self, *_args: Any, **_kwargs: Any) -> None:
+        with self._lock:
+            self.count += 1
+
+
+def create_engine(url: str, *, pool_size: int = 5) -> Engine:
+    """Create an engine for a pollbridge URL (not connected yet)."""
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        _configure_sqlite(engine)
+        return engine
+    return sa.create_engine(
+        parsed,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        connect_args={"options": "-c timezone=UTC", "connect_timeout": 10},
+    )
+
+
+def open_engine(engine_or_url: Engine | str) -> tuple[Engine, bool]:
+    """``(engine, owned)``: ``owned`` is true when this call created the engine (the caller disposes it)."""
+    if isinstance(engine_or_url, Engine):
+        return engine_or_url, False
+    return create_engine(engine_or_url), True
+
+
+def check_connection(engine: Engine) -> None:
+    """Connect once; raise :class:`DatabaseUnavailable` with a masked URL when that fails."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+        raise DatabaseUnavailable(f"cannot connect to {mask_url(engine.url)}: {reason}") from None
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def is_sqlite(bind: Engine | Connection) -> bool:
+    return bind.dialect.name == "sqlite"
+
+
+def db_now(dialect_name: str) -> ColumnElement[Any]:
+    """The database clock as an expression: ``clock_timestamp()`` on PostgreSQL (not the transaction
+    start, so timestamps inside one transaction still order), millisecond UTC text on SQLite."""
+    if dialect_name == "postgresql":
+        return sa.func.clock_timestamp()
+    return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now")
+
+
+def millis_between(dialect_name: str, start: Any, end: Any) -> ColumnElement[Any]:
+    """``end - start`` in milliseconds, as a float expression."""
+    if dialect_name == "postgresql":
+        return sa.extract("epoch", end - start) * 1000.0
+    return (sa.func.julianday(end) - sa.func.julianday(start)) * 86_400_000.0

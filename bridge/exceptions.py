@@ -1,0 +1,40 @@
+"""Errors of the bridge package.
+
+Every error an operator can cause (bad configuration, a mapping that does not match the database,
+an unreachable server) is a :class:`PollbridgeError`; the CLI prints its message on one line and
+exits with its ``exit_code``, without a traceback. Messages say what was wrong and what to do.
+"""
+
+from __future__ import annotations
+
+
+class PollbridgeError(Exception):
+    """An expected error: printed as one line, no traceback."""
+
+    exit_code = 1
+
+
+class ConfigError(PollbridgeError):
+    """The configuration (file, environment or flags) is invalid. A usage error: exit 2."""
+
+    exit_code = 2
+
+
+class MappingError(ConfigError):
+    """The task-table mapping is invalid in itself (bad identifier, status mapped twice, ...)."""
+
+
+class MappingMismatch(PollbridgeError):
+    """The mapping names a table or column the database does not have."""
+
+
+class DatabaseUnavailable(PollbridgeError):
+    """The database cannot be reached. The message carries the URL with its password masked."""
+
+
+class SchemaNotInstalled(PollbridgeError):
+    """pollbridge's own objects are missing or not at the migration head: run ``pollbridge init``."""
+
+
+class WorkloadError(PollbridgeError):
+    """A workflow definition is invalid: a dependency cycle or a dependency on an unknown task key."""

@@ -1,0 +1,59 @@
+"""Running pollbridge's Alembic migrations programmatically, from a checkout or an installed wheel.
+
+The migration scripts live in the top-level ``migrations`` package and are found through
+``importlib.resources``, never through a path relative to the working directory. Alembic's
+version table is ``pollbridge_alembic_version`` so it cannot collide with the user's own Alembic.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Engine
+
+from bridge.schema import VERSION_TABLE, metadata
+
+
+def alembic_config(engine: Engine) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("migrations")))
+    config.attributes["engine"] = engine
+    return config
+
+
+def head_revision() -> str:
+    script = ScriptDirectory(str(resources.files("migrations")))
+    head = script.get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    command.upgrade(alembic_config(engine), revision)
+
+
+def downgrade_all(engine: Engine) -> None:
+    """Remove every pollbridge object the migrations created, then the version table itself."""
+    command.downgrade(alembic_config(engine), "base")
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {VERSION_TABLE}"))
+
+
+def owned_tables(engine: Engine) -> list[str]:
+    """pollbridge's tables present in the database (by prefix; never the scheduler's)."""
+    names = sa.inspect(engine).get_table_names()
+    return sorted(n for n in names if n.startswith("pollbridge_"))
+
+
+__all__ = ["current_revision", "downgrade_all", "head_revision", "metadata", "owned_tables", "upgrade"]

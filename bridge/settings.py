@@ -1,0 +1,181 @@
+"""Settings: one frozen object built from ``pollbridge.toml``, the environment and flags.
+
+Precedence, lowest first: built-in defaults, the configuration file, ``POLLBRIDGE_*`` environment
+variables, command-line options. The file is ``--config FILE`` / ``POLLBRIDGE_CONFIG`` if given
+(it must then exist), else ``./pollbridge.toml`` if present.
+
+File layout::
+
+    [database]
+    url = "sqlite:///pollbridge.db"
+    [bus]
+    url = "embedded"
+    [poller]
+    interval = 10.0        # seconds between scans
+    batch_size = 500       # most tasks dispatched per scan
+    [workers]
+    concurrency = 4
+    min_duration = 0.01    # seconds a demo task "runs"
+    max_duration = 0.05
+    failure_rate = 0.0
+    [mapping]              # see bridge.mapping; defaults to the reference legacy schema
+    table = "tasks"
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bridge.exceptions import ConfigError
+from bridge.mapping import TaskTableMapping
+
+DEFAULT_DATABASE_URL = "sqlite:///pollbridge.db"
+DEFAULT_BUS_URL = "embedded"
+DEFAULT_CONFIG_FILE = "pollbridge.toml"
+
+ENV_CONFIG = "POLLBRIDGE_CONFIG"
+ENV_DATABASE_URL = "POLLBRIDGE_DATABASE_URL"
+ENV_BUS_URL = "POLLBRIDGE_BUS_URL"
+
+
+@dataclass(frozen=True)
+class PollerSettings:
+    interval: float = 10.0
+    batch_size: int = 500
+
+    def __post_init__(self) -> None:
+        _positive(self.interval, "poller.interval")
+        _positive(self.batch_size, "poller.batch_size", integer=True)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    concurrency: int = 4
+    min_duration: float = 0.01
+    max_duration: float = 0.05
+    failure_rate: float = 0.0
+    idle_sleep: float = 0.05
+
+    def __post_init__(self) -> None:
+        _positive(self.concurrency, "workers.concurrency", integer=True)
+        _non_negative(self.min_duration, "workers.min_duration")
+        _non_negative(self.max_duration, "workers.max_duration")
+        _positive(self.idle_sleep, "workers.idle_sleep")
+        if self.max_duration < self.min_duration:
+            raise ConfigError("workers.max_duration must be >= workers.min_duration")
+        rate = self.failure_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+            raise ConfigError(f"workers.failure_rate must be between 0 and 1, got {self.failure_rate!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = DEFAULT_DATABASE_URL
+    bus_url: str = DEFAULT_BUS_URL
+    poller: PollerSettings = field(default_factory=PollerSettings)
+    workers: WorkerSettings = field(default_factory=WorkerSettings)
+    mapping: TaskTableMapping = field(default_factory=TaskTableMapping)
+    config_file: str | None = None
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """A copy with the non-``None`` overrides applied (flags that were not given are ``None``)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    database_url: str | None = None,
+    bus_url: str | None = None,
+) -> Settings:
+    """Build :class:`Settings` from file, environment and flags (flags win)."""
+    env = os.environ if environ is None else environ
+    path: Path | None
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"configuration file not found: {path}")
+    elif env.get(ENV_CONFIG):
+        path = Path(env[ENV_CONFIG])
+        if not path.is_file():
+            raise ConfigError(f"configuration file not found: {path} (from {ENV_CONFIG})")
+    else:
+        candidate = Path(DEFAULT_CONFIG_FILE)
+        path = candidate if candidate.is_file() else None
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}") from None
+    settings = settings_from_dict(raw)
+    if path is not None:
+        settings = replace(settings, config_file=str(path))
+    settings = settings.with_overrides(
+        database_url=env.get(ENV_DATABASE_URL) or None, bus_url=env.get(ENV_BUS_URL) or None
+    )
+    return settings.with_overrides(database_url=database_url, bus_url=bus_url)
+
+
+def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
+    """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
+    known = {"database", "bus", "poller", "workers", "mapping"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown section(s) in configuration: {', '.join(unknown)}; "
+                          f"expected some of: {', '.join(sorted(known))}")
+    database = _table(raw, "database", {"url"})
+    bus = _table(raw, "bus", {"url"})
+    poller = _table(raw, "poller", {"interval", "batch_size"})
+    workers = _table(raw, "workers", {"concurrency", "min_duration", "max_duration", "failure_rate",
+                                      "idle_sleep"})
+    mapping_raw = raw.get("mapping", {})
+    if not isinstance(mapping_raw, Mapping):
+        raise ConfigError("[mapping] must be a table")
+    try:
+        return Settings(
+            database_url=_string(database.get("url", DEFAULT_DATABASE_URL), "database.url"),
+            bus_url=_string(bus.get("url", DEFAULT_BUS_URL), "bus.url"),
+            poller=PollerSettings(**poller),
+            workers=WorkerSettings(**workers),
+            mapping=TaskTableMapping.from_dict(mapping_raw),
+        )
+    except TypeError as exc:  # a wrongly typed value reaching a dataclass
+        raise ConfigError(f"invalid configuration value: {exc}") from None
+
+
+def _table(raw: Mapping[str, Any], name: str, allowed: set[str]) -> dict[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"[{name}] must be a table")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; "
+                          f"expected some of: {', '.join(sorted(allowed))}")
+    return dict(value)
+
+
+def _string(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty string")
+    return value
+
+
+def _positive(value: object, what: str, *, integer: bool = False) -> None:
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{what} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+
+
+def _non_negative(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"{what} must be a number >= 0, got {value!r}")

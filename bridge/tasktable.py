@@ -1,0 +1,105 @@
+"""The existing scheduler's tables, seen through the mapping.
+
+:func:`reflect_tables` loads the real tables named by the mapping from the database (so column
+types are the user's, not guessed) and checks that every mapped column exists. The result,
+:class:`TaskTable`, is the only way the rest of pollbridge reaches those tables: callers ask for
+columns by *logical* name (``tt.col("status")``), never by the user's column names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import NoSuchTableError
+
+from bridge.exceptions import MappingMismatch
+from bridge.mapping import TaskTableMapping
+
+
+@dataclass(frozen=True)
+class TaskTable:
+    mapping: TaskTableMapping
+    tasks: sa.Table
+    instances: sa.Table | None
+    edges: sa.Table | None
+    dialect_name: str
+
+    def col(self, logical: str, table: sa.FromClause | None = None) -> sa.ColumnElement[Any]:
+        """The column for a logical name on ``table`` (the task table or an alias of it)."""
+        name = getattr(self.mapping.columns, logical)
+        if name is None:
+            raise KeyError(f"column {logical!r} is not mapped")
+        source = self.tasks if table is None else table
+        column: sa.ColumnElement[Any] = source.c[name]
+        return column
+
+    def has(self, logical: str) -> bool:
+        return getattr(self.mapping.columns, logical) is not None
+
+    @property
+    def statuses(self) -> Any:
+        return self.mapping.statuses
+
+    def workflow_type_source(self, tasks: sa.FromClause) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
+        """``(from_clause, type_expression)`` giving each task row its workflow type."""
+        if self.instances is None:
+            return tasks, self.col("workflow_type", tasks)
+        inst = self.instances
+        assert self.mapping.instances is not None
+        joined = tasks.outerjoin(
+            inst, inst.c[self.mapping.instances.id] == self.col("instance_id", tasks)
+        )
+        return joined, inst.c[self.mapping.instances.workflow_type]
+
+
+def reflect_tables(bind: Engine | Connection, mapping: TaskTableMapping) -> TaskTable:
+    """Reflect the mapped tables; raise :class:`MappingMismatch` naming any missing table or column."""
+    metadata = sa.MetaData()
+    tasks = _reflect(bind, metadata, mapping.table, mapping.schema)
+    _require_columns(tasks, mapping.columns.mapped().items(), "mapping.columns")
+    instances = None
+    if mapping.type_from_instances:
+        assert mapping.instances is not None
+        instances = _reflect(bind, metadata, mapping.instances.table, mapping.instances.schema)
+        _require_columns(
+            instances,
+            [("id", mapping.instances.id), ("workflow_type", mapping.instances.workflow_type)],
+            "mapping.instances",
+        )
+    edges = None
+    if mapping.dependency_mode == "edges":
+        assert mapping.edges is not None
+        edges = _reflect(bind, metadata, mapping.edges.table, mapping.edges.schema)
+        _require_columns(
+            edges,
+            [("task_id", mapping.edges.task_id), ("depends_on_id", mapping.edges.depends_on_id)],
+            "mapping.dependencies",
+        )
+    return TaskTable(mapping, tasks, instances, edges, bind.dialect.name)
+
+
+def _qualified(name: str, schema: str | None) -> str:
+    return f"{schema}.{name}" if schema else name
+
+
+def _reflect(bind: Engine | Connection, metadata: sa.MetaData, name: str, schema: str | None) -> sa.Table:
+    try:
+        return sa.Table(name, metadata, schema=schema, autoload_with=bind)
+    except NoSuchTableError:
+        raise MappingMismatch(
+            f"table {_qualified(name, schema)!r} named by the mapping does not exist in the database; "
+            "fix the [mapping] section of pollbridge.toml or create the table "
+            "(pollbridge init --demo-schema creates the reference one)"
+        ) from None
+
+
+def _require_columns(table: sa.Table, wanted: Any, where: str) -> None:
+    for logical, column in wanted:
+        if column not in table.c:
+            raise MappingMismatch(
+                f"column {column!r} ({where}.{logical}) does not exist in table "
+                f"{_qualified(table.name, table.schema)!r}; existing columns: {', '.join(table.c.keys())}"
+            )

@@ -1,0 +1,139 @@
+"""The demo worker pool: executes dispatched tasks and writes results back through the mapping.
+
+It plays the existing platform's workers: claim a dispatched task (dispatched → running, one
+statement; ``FOR UPDATE SKIP LOCKED`` on PostgreSQL so workers do not queue behind each other),
+"run" it for a random duration, then set completed or failed with the completion time from the
+database clock. Failure is drawn with ``failure_rate``; retries are the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, Counter
+from sqlalchemy.engine import Engine
+
+from bridge.db import db_now
+from bridge.settings import WorkerSettings
+from bridge.tasktable import TaskTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    completed: int
+    failed: int
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        engine: Engine,
+        tables: TaskTable,
+        settings: WorkerSettings,
+        *,
+        registry: CollectorRegistry | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tables = tables
+        self.settings = settings
+        self._random = random.Random(seed)
+        self._random_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        registry = registry if registry is not None else CollectorRegistry()
+        self._finished = Counter(
+            "pollbridge_demo_worker_tasks", "Tasks the demo workers finished", ["outcome"], registry=registry
+        )
+        self._lock = threading.Lock()
+        self.completed = 0
+        self.failed = 0
+        self.errors = 0
+
+    def _claim_statement(self) -> sa.Update:
+        tt = self.tables
+        pick = (
+            sa.select(tt.col("id"))
+            .where(tt.col("status") == tt.statuses.dispatched)
+            .order_by(tt.col("id"))
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.running}
+        if tt.has("attempts"):
+            values[tt.mapping.columns.attempts or ""] = tt.col("attempts") + 1
+        if tt.has("updated_at"):
+            values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
+        return (
+            tt.tasks.update()
+            .where(tt.col("id") == pick, tt.col("status") == tt.statuses.dispatched)
+            .values(values)
+            .returning(tt.col("id"))
+        )
+
+    def _finish(self, task_id: Any, ok: bool) -> None:
+        tt = self.tables
+        now = db_now(tt.dialect_name)
+        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.completed if ok else tt.statuses.failed}
+        for logical in ("completed_at", "updated_at"):
+            if tt.has(logical):
+                values[getattr(tt.mapping.columns, logical)] = now
+        stmt = tt.tasks.update().where(tt.col("id") == task_id, tt.col("status") == tt.statuses.running)
+        with self.engine.begin() as conn:
+            conn.execute(stmt.values(values))
+
+    def work_one(self) -> bool:
+        """Claim, run and finish one task; ``False`` when none was waiting."""
+        with self.engine.begin() as conn:
+            task_id = conn.execute(self._claim_statement()).scalar()
+        if task_id is None:
+            return False
+        with self._random_lock:
+            duration = self._random.uniform(self.settings.min_duration, self.settings.max_duration)
+            ok = self._random.random() >= self.settings.failure_rate
+        if self._stop.wait(duration):
+            # Asked to stop mid-task: finish it anyway so nothing is left running by us.
+            pass
+        self._finish(task_id, ok)
+        with self._lock:
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+        self._finished.labels(outcome="completed" if ok else "failed").inc()
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.work_one():
+                    self._stop.wait(self.settings.idle_sleep)
+            except Exception:  # a worker survives a database hiccup, like a real one
+                with self._lock:
+                    self.errors += 1
+                log.exception("demo worker error")
+                self._stop.wait(1.0)
+
+    def start(self) -> None:
+        for n in range(self.settings.concurrency):
+            thread = threading.Thread(target=self._loop, name=f"pollbridge-worker-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)
+        self._threads.clear()
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            return WorkerStats(self.completed, self.failed)

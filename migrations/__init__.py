@@ -1,0 +1,1 @@
+"""pollbridge's Alembic migrations (run through ``bridge.migrate``, not the alembic CLI)."""
