@@ -37,4 +37,8 @@ class SchemaNotInstalled(PollbridgeError):
 
 
 class WorkloadError(PollbridgeError):
-    """A workflow definition is invalid: a dependency cycle or a dependency on an unknown task key."""
+    """A workflow definition is invalid: a dependency cycle or a dependency on an unknown task key.
+
+    Bad input, so a usage error (exit 2)."""
+
+    exit_code = 2

@@ -1,0 +1,71 @@
+"""doctor: each check passes on a good installation and names the problem on a bad one."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from bridge import migrate
+from bridge.db import create_engine
+from bridge.doctor import run_checks
+from bridge.mapping import TaskColumns, TaskTableMapping
+from bridge.settings import Settings
+
+
+def _by_name(engine: Engine, settings: Settings) -> dict[str, tuple[bool, str]]:
+    return {c.name: (c.ok, c.detail) for c in run_checks(engine, settings)}
+
+
+def test_all_checks_pass_on_a_fresh_installation(engine: Engine) -> None:
+    checks = _by_name(engine, Settings())
+    assert set(checks) == {"database", "mapping", "migrations", "dags"}
+    assert all(ok for ok, _ in checks.values()), checks
+
+
+def test_missing_column_is_named_with_its_table(engine: Engine) -> None:
+    settings = Settings(mapping=TaskTableMapping(columns=TaskColumns(due_at="run_after")))
+    ok, detail = _by_name(engine, settings)["mapping"]
+    assert not ok
+    assert "'run_after'" in detail and "'tasks'" in detail
+
+
+def test_missing_table_is_named(engine: Engine) -> None:
+    ok, detail = _by_name(engine, Settings(mapping=TaskTableMapping(table="jobs")))["mapping"]
+    assert not ok and "'jobs'" in detail
+
+
+def test_migrations_not_installed(empty_db_url: str) -> None:
+    engine = create_engine(empty_db_url)
+    try:
+        ok, detail = _by_name(engine, Settings())["migrations"]
+        assert not ok and "pollbridge init" in detail
+    finally:
+        engine.dispose()
+
+
+def test_cycle_and_unknown_dependency_are_reported(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO workflow_instances (id, workflow_type) VALUES ('c', 'w'), ('u', 'w')"))
+        conn.execute(sa.text(
+            """INSERT INTO tasks (instance_id, task_key, depends_on) VALUES
+               ('c', 'x', '["z"]'), ('c', 'y', '["x"]'), ('c', 'z', '["y"]'),
+               ('u', 'a', '["ghost"]')"""))
+    ok, detail = _by_name(engine, Settings())["dags"]
+    assert not ok
+    assert "cycle" in detail and "'c'" in detail
+    assert "'ghost'" in detail
+
+
+def test_unreachable_database_masks_password() -> None:
+    engine = create_engine("postgresql://admin:s3cr3tpw@127.0.0.1:1/nodb")
+    try:
+        checks = run_checks(engine, Settings())
+    finally:
+        engine.dispose()
+    assert [c.name for c in checks] == ["database"]
+    assert not checks[0].ok
+    assert "s3cr3tpw" not in checks[0].detail and "***" in checks[0].detail
+
+
+def test_head_revision_matches_installed(engine: Engine) -> None:
+    assert migrate.current_revision(engine) == migrate.head_revision()
