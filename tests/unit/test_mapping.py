@@ -268,7 +268,7 @@ def test_non_table_dependencies_is_a_mapping_error(value: object) -> None:
 
 
 @pytest.mark.parametrize(("path", "optional"), NAME_PATHS, ids=[_path_name(p) for p, _ in NAME_PATHS])
-@settings(max_examples=40)
+@settings(max_examples=15)
 @given(data=st.data())
 def test_invalid_identifier_rejected_for_every_name(path: tuple[str, ...], optional: bool, data: st.DataObject) -> None:
     name = data.draw(invalid_nonempty_identifiers if optional else invalid_identifiers, label="name")
@@ -280,7 +280,7 @@ def test_invalid_identifier_rejected_for_every_name(path: tuple[str, ...], optio
 
 
 @pytest.mark.parametrize(("path", "optional"), NAME_PATHS, ids=[_path_name(p) for p, _ in NAME_PATHS])
-@settings(max_examples=20)
+@settings(max_examples=8)
 @given(data=st.data())
 def test_valid_identifier_accepted_for_every_name(path: tuple[str, ...], optional: bool, data: st.DataObject) -> None:
     name = data.draw(_valid_ids, label="name")
