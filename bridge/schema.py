@@ -37,3 +37,103 @@ dispatch_log = sa.Table(
     sa.Index("pollbridge_dispatch_log_type_time_idx", "workflow_type", "dispatched_at"),
     sa.Index("pollbridge_dispatch_log_time_idx", "dispatched_at"),
 )
+
+#: The capture outbox: one row per relevant change of a task row, written by the capture trigger in
+#: the same transaction. Rows are read by ``published_at IS NULL`` (never by a high-water id, since a
+#: smaller id can commit after a larger one), marked published after the bus acknowledged them, kept
+#: for the retention window (bus-loss recovery republishes them) and then purged.
+outbox = sa.Table(
+    "pollbridge_outbox",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("event_id", sa.String(36), nullable=False),
+    sa.Column("task_id", sa.String(200), nullable=True),
+    sa.Column("instance_id", sa.String(200), nullable=True),
+    sa.Column("workflow_type", sa.String(200), nullable=True),
+    sa.Column("task_key", sa.String(200), nullable=True),
+    # 'insert', 'status', 'due' or 'signal' (the first that applies)
+    sa.Column("change", sa.String(16), nullable=False),
+    sa.Column("old_status", sa.String(64), nullable=True),
+    sa.Column("new_status", sa.String(64), nullable=True),
+    sa.Column("trace_id", sa.String(32), nullable=True),
+    sa.Column("relay_partition", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Index(
+        "pollbridge_outbox_unpublished_idx",
+        "relay_partition",
+        "id",
+        postgresql_where=sa.text("published_at IS NULL"),
+        sqlite_where=sa.text("published_at IS NULL"),
+    ),
+    sa.Index("pollbridge_outbox_published_idx", "published_at"),
+)
+
+#: Outbox rows the relay could not turn into an event (inserted by hand, unknown status, ...).
+outbox_dead = sa.Table(
+    "pollbridge_outbox_dead",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("outbox_id", sa.BigInteger, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+#: One row per relay partition: who holds it, whether the capture trigger should NOTIFY (adaptive
+#: wake-up arms it only after the outbox stayed empty), and the bus epoch the relay last saw.
+relay_state = sa.Table(
+    "pollbridge_relay_state",
+    metadata,
+    sa.Column("relay_partition", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("armed", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("holder", sa.String(200), nullable=True),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("bus_epoch", sa.String(64), nullable=True),
+)
+
+#: The embedded bus: an append-only log per partition, consumer-group offsets and pending entries
+#: (delivered, not acknowledged), with the same semantics as Redis Streams consumer groups.
+bus_log = sa.Table(
+    "pollbridge_bus_log",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("partition", sa.Integer, nullable=False),
+    sa.Column("event_id", sa.String(36), nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("pollbridge_bus_log_partition_idx", "partition", "id"),
+)
+
+bus_groups = sa.Table(
+    "pollbridge_bus_groups",
+    metadata,
+    sa.Column("group_name", sa.String(200), primary_key=True),
+    sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("last_delivered_id", sa.BigInteger, nullable=False, server_default="0"),
+)
+
+bus_pending = sa.Table(
+    "pollbridge_bus_pending",
+    metadata,
+    sa.Column("group_name", sa.String(200), primary_key=True),
+    sa.Column("entry_id", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("partition", sa.Integer, nullable=False),
+    sa.Column("consumer", sa.String(200), nullable=False),
+    sa.Column("delivered_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("deliveries", sa.Integer, nullable=False, server_default="1"),
+    sa.Index("pollbridge_bus_pending_idle_idx", "group_name", "partition", "delivered_at"),
+)
+
+#: Dead letters of the embedded bus (the Redis bus keeps them in a stream).
+bus_dead = sa.Table(
+    "pollbridge_bus_dead",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("group_name", sa.String(200), nullable=False),
+    sa.Column("entry_id", sa.String(64), nullable=False),
+    sa.Column("partition", sa.Integer, nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)

@@ -82,6 +82,11 @@ class Settings:
     mapping: TaskTableMapping = field(default_factory=TaskTableMapping)
     config_file: str | None = None
 
+    def __post_init__(self) -> None:
+        from bridge.bus.factory import validate_bus_url
+
+        validate_bus_url(self.bus_url)
+
     def with_overrides(self, **overrides: Any) -> Settings:
         """A copy with the non-``None`` overrides applied (flags that were not given are ``None``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -128,3 +128,40 @@ def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'empty.db'}"
     return str(request.getfixturevalue("pg_empty_url"))
+
+
+REDIS_URL = os.environ.get("POLLBRIDGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_HINT = (
+    "Redis is not reachable at {url} ({error}); start it (e.g. `redis-server --daemonize yes --save ''`) "
+    "or point POLLBRIDGE_TEST_REDIS_URL at one"
+)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> str:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        service_unavailable(REDIS_HINT.format(url=REDIS_URL, error=exc))
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_namespace(redis_server: str) -> Iterator[str]:
+    """A namespace of its own for one test; its keys are deleted afterwards."""
+    import redis
+
+    namespace = f"pbtest-{uuid.uuid4().hex[:10]}"
+    yield namespace
+    client = redis.Redis.from_url(redis_server)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

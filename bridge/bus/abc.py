@@ -1,0 +1,113 @@
+"""The event-bus interface. Every backend passes the one contract suite in tests/integration/test_bus_contract.py.
+
+The contract, for every implementation:
+
+* **Partitions.** The bus has ``partitions`` numbered ``0..P-1``. An event goes to
+  ``partition_for(event.partitionkey, P)`` (a stable hash of the instance id), so one instance's
+  events keep their publish order within one partition.
+* **publish(events)** returns only when every event is durably on the bus (Redis: the server
+  acknowledged the pipeline; embedded: the transaction committed). It either raises or has
+  published them all; publishing the same event twice is allowed (consumers dedupe by ``id``).
+* **Consumer groups.** ``ensure_group(group)`` creates the group on every partition if missing
+  (idempotent; a new group starts at the beginning of the retained log). ``read(group, consumer,
+  partitions, count, block)`` returns up to ``count`` entries never delivered to this group,
+  oldest first per partition, blocking up to ``block`` seconds when there are none; each returned
+  entry becomes *pending* for that consumer until ``ack``. An entry is never delivered by
+  ``read`` twice to the same group.
+* **Redelivery.** ``claim_stale(group, consumer, partitions, min_idle, count)`` hands the caller
+  pending entries idle for at least ``min_idle`` seconds (their consumer died), incrementing their
+  delivery count. ``ack`` removes entries from pending; acknowledging twice is harmless.
+* **Malformed entries** are still delivered: ``Delivery.event`` is ``None`` and ``Delivery.error``
+  says why, so the consumer can dead-letter them instead of losing or looping on them.
+* **Dead letters.** ``dead_letter(group, delivery, reason)`` stores the entry's payload with the
+  reason and acknowledges it; ``dead_letters()`` lists them; ``remove_dead_letters(ids)`` deletes.
+* **Trimming.** ``trim(retention)`` removes entries older than ``retention`` seconds that every
+  group has acknowledged; it never removes a pending or undelivered entry.
+* **Loss detection.** ``epoch()`` returns a token that changes when the bus lost its data (Redis
+  flushed or restarted without persistence); the relay compares it to the one it stored.
+* **close()** closes only what the bus opened (a client passed in stays open).
+"""
+
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bridge.events import CloudEvent
+
+
+def partition_for(partition_key: str, partitions: int) -> int:
+    """The frozen partitioning function: CRC-32 of the UTF-8 key, modulo the partition count."""
+    return zlib.crc32(partition_key.encode("utf-8")) % partitions
+
+
+@dataclass(frozen=True)
+class Delivery:
+    entry_id: str
+    partition: int
+    payload: str
+    event: CloudEvent | None
+    deliveries: int = 1
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: str
+    group: str
+    entry_id: str
+    partition: int
+    payload: str
+    reason: str
+
+
+class EventBus(ABC):
+    partitions: int
+
+    @abstractmethod
+    def publish(self, events: Sequence[CloudEvent]) -> None: ...
+
+    @abstractmethod
+    def ensure_group(self, group: str) -> None: ...
+
+    @abstractmethod
+    def read(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float) -> list[Delivery]:
+        ...
+
+    @abstractmethod
+    def ack(self, group: str, deliveries: Sequence[Delivery]) -> None: ...
+
+    @abstractmethod
+    def claim_stale(self, group: str, consumer: str, partitions: Sequence[int], min_idle: float,
+                    count: int) -> list[Delivery]: ...
+
+    @abstractmethod
+    def pending_count(self, group: str) -> int:
+        """Entries delivered to the group and not yet acknowledged."""
+
+    @abstractmethod
+    def lag(self, group: str) -> dict[int, int]:
+        """Per partition, entries not yet delivered to the group."""
+
+    @abstractmethod
+    def dead_letter(self, group: str, delivery: Delivery, reason: str) -> None: ...
+
+    @abstractmethod
+    def dead_letters(self, limit: int = 100) -> list[DeadLetter]: ...
+
+    @abstractmethod
+    def remove_dead_letters(self, ids: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def trim(self, retention: float) -> int: ...
+
+    @abstractmethod
+    def epoch(self) -> str: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def partition_of(self, event: CloudEvent) -> int:
+        return partition_for(event.partitionkey, self.partitions)
