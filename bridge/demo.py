@@ -84,7 +84,8 @@ def run_demo(settings: Settings, options: DemoOptions, progress: Progress | None
     counter = StatementCounter()
     try:
         check_connection(observer)
-        install.init(observer, demo_schema=is_default_mapping(settings.mapping))
+        install.init(observer, demo_schema=is_default_mapping(settings.mapping), mapping=settings.mapping,
+                     capture=settings.capture)
         tables = reflect_tables(observer, settings.mapping)
         with observer.begin() as conn:
             total = seed(conn, tables, specs)

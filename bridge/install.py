@@ -14,7 +14,11 @@ from sqlalchemy.engine import Engine
 
 from bridge import migrate
 from bridge.db import check_connection
+from bridge.capture import install_capture, remove_capture
 from bridge.demo_schema import create_demo_schema
+from bridge.mapping import TaskTableMapping
+from bridge.settings import CaptureSettings
+from bridge.tasktable import reflect_tables
 
 
 @dataclass(frozen=True)
@@ -22,26 +26,45 @@ class InitResult:
     revision_before: str | None
     revision_after: str
     demo_tables_created: tuple[str, ...]
+    capture_installed: bool = False
 
 
-def init(engine: Engine, *, demo_schema: bool = False) -> InitResult:
+def init(
+    engine: Engine,
+    *,
+    demo_schema: bool = False,
+    mapping: TaskTableMapping | None = None,
+    capture: CaptureSettings | None = None,
+) -> InitResult:
+    """Apply the migrations; with a ``mapping``, also (re)install the capture triggers on its task table.
+
+    The mapping is checked against the database before anything is migrated, so a mapping that
+    names a missing table or column changes nothing (only the demo tables, when asked for, exist)."""
     check_connection(engine)
     created: list[str] = []
     if demo_schema:
         with engine.begin() as conn:
             created = create_demo_schema(conn)
+    tables = reflect_tables(engine, mapping) if mapping is not None else None
     before = migrate.current_revision(engine)
     if before != migrate.head_revision():
         migrate.upgrade(engine)
     after = migrate.current_revision(engine)
     assert after is not None
-    return InitResult(before, after, tuple(created))
+    if tables is not None:
+        capture = capture or CaptureSettings()
+        with engine.begin() as conn:
+            install_capture(conn, tables, wake=capture.wake,  # type: ignore[arg-type]
+                            relay_partitions=capture.relay_partitions)
+    return InitResult(before, after, tuple(created), tables is not None)
 
 
 def uninstall(engine: Engine) -> list[str]:
     """Remove pollbridge's objects; return the tables that were dropped."""
     check_connection(engine)
     before = migrate.owned_tables(engine)
+    with engine.begin() as conn:
+        remove_capture(conn)
     if migrate.current_revision(engine) is not None:
         migrate.downgrade_all(engine)
     after = set(migrate.owned_tables(engine))

@@ -13,6 +13,11 @@ File layout::
     [poller]
     interval = 10.0        # seconds between scans
     batch_size = 500       # most tasks dispatched per scan
+    [bus]                  # also: partitions = 8, namespace = "pollbridge", visibility_timeout = 30
+    [capture]
+    wake = "adaptive"      # poll | notify | adaptive (PostgreSQL wake-up of the relay)
+    relay_partitions = 1
+    [relay]                # batch_size, poll_interval, arm_after, fallback_interval, retention, ...
     [workers]
     concurrency = 4
     min_duration = 0.01    # seconds a demo task "runs"
@@ -27,7 +32,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +79,65 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class BusSettings:
+    partitions: int = 8
+    namespace: str = "pollbridge"
+    visibility_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive(self.partitions, "bus.partitions", integer=True)
+        _positive(self.visibility_timeout, "bus.visibility_timeout")
+        from bridge.identifiers import validate_identifier
+
+        try:
+            validate_identifier(self.namespace, "bus.namespace")
+        except ConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    wake: str = "adaptive"
+    relay_partitions: int = 1
+
+    def __post_init__(self) -> None:
+        from bridge.capture import WAKE_MODES
+
+        if self.wake not in WAKE_MODES:
+            raise ConfigError(f"capture.wake must be one of {', '.join(WAKE_MODES)}, got {self.wake!r}")
+        _positive(self.relay_partitions, "capture.relay_partitions", integer=True)
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    batch_size: int = 500
+    poll_interval: float = 0.002
+    arm_after: float = 0.2
+    fallback_interval: float = 1.0
+    retention: float = 3600.0
+    purge_interval: float = 10.0
+    purge_batch: int = 1000
+    lease_timeout: float = 5.0
+    epoch_check_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "purge_batch"):
+            _positive(getattr(self, name), f"relay.{name}", integer=True)
+        for name in ("poll_interval", "arm_after", "fallback_interval", "retention", "purge_interval",
+                     "lease_timeout", "epoch_check_interval"):
+            _positive(getattr(self, name), f"relay.{name}")
+
+
+@dataclass(frozen=True)
 class Settings:
     database_url: str = DEFAULT_DATABASE_URL
     bus_url: str = DEFAULT_BUS_URL
     poller: PollerSettings = field(default_factory=PollerSettings)
     workers: WorkerSettings = field(default_factory=WorkerSettings)
     mapping: TaskTableMapping = field(default_factory=TaskTableMapping)
+    bus: BusSettings = field(default_factory=BusSettings)
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
+    relay: RelaySettings = field(default_factory=RelaySettings)
     config_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -133,13 +191,15 @@ def load_settings(
 
 def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
-    known = {"database", "bus", "poller", "workers", "mapping"}
+    known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(unknown)}; "
                           f"expected some of: {', '.join(sorted(known))}")
     database = _table(raw, "database", {"url"})
-    bus = _table(raw, "bus", {"url"})
+    bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout"})
+    capture = _table(raw, "capture", {"wake", "relay_partitions"})
+    relay = _table(raw, "relay", {f.name for f in fields(RelaySettings)})
     poller = _table(raw, "poller", {"interval", "batch_size"})
     workers = _table(raw, "workers", {"concurrency", "min_duration", "max_duration", "failure_rate",
                                       "idle_sleep"})
@@ -149,7 +209,10 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     try:
         return Settings(
             database_url=_string(database.get("url", DEFAULT_DATABASE_URL), "database.url"),
-            bus_url=_string(bus.get("url", DEFAULT_BUS_URL), "bus.url"),
+            bus_url=_string(bus.pop("url", DEFAULT_BUS_URL), "bus.url"),
+            bus=BusSettings(**bus),
+            capture=CaptureSettings(**capture),
+            relay=RelaySettings(**relay),
             poller=PollerSettings(**poller),
             workers=WorkerSettings(**workers),
             mapping=TaskTableMapping.from_dict(mapping_raw),

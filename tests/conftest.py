@@ -20,6 +20,7 @@ from psycopg import sql
 
 from bridge import install
 from bridge.db import create_engine
+from bridge.mapping import TaskTableMapping
 
 PG_ADMIN_URL = os.environ.get("POLLBRIDGE_TEST_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
 REQUIRE_SERVICES = os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1"
@@ -78,7 +79,7 @@ def pg_template(pg_server: None) -> Iterator[str]:
     _create_db(name)
     engine = create_engine(_pg_url(name))
     try:
-        install.init(engine, demo_schema=True)
+        install.init(engine, demo_schema=True, mapping=TaskTableMapping())
     finally:
         engine.dispose()
     yield name
@@ -108,7 +109,7 @@ def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'pollbridge.db'}"
     engine = create_engine(url)
     try:
-        install.init(engine, demo_schema=True)
+        install.init(engine, demo_schema=True, mapping=TaskTableMapping())
     finally:
         engine.dispose()
     return url

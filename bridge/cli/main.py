@@ -79,11 +79,13 @@ def init(ctx: click.Context, demo_schema: bool) -> None:
     settings = settings_of(ctx)
     engine = create_engine(settings.database_url)
     try:
-        result = install.init(engine, demo_schema=demo_schema)
+        result = install.init(engine, demo_schema=demo_schema, mapping=settings.mapping, capture=settings.capture)
     finally:
         engine.dispose()
     if result.demo_tables_created:
         click.echo(f"created demo tables: {', '.join(result.demo_tables_created)}")
+    if result.capture_installed:
+        click.echo(f"capture triggers installed on {settings.mapping.table} (wake-up: {settings.capture.wake})")
     if result.revision_before == result.revision_after:
         click.echo(f"pollbridge already at {result.revision_after} in {mask_url(settings.database_url)}")
     else:

@@ -174,8 +174,8 @@ def test_alternative_schema_through_the_mapping_alone(empty_db_url: str) -> None
     engine = create_engine(empty_db_url)
     try:
         _create_alt_schema(engine)
-        install.init(engine)
         mapping = TaskTableMapping.from_dict(ALT_MAPPING)
+        install.init(engine, mapping=mapping)
         tables = reflect_tables(engine, mapping)
         specs = demo_workload(6, 5, prefix="alt")
         with engine.begin() as conn:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -30,7 +31,7 @@ def _assert_real_cycle(cycle: list[str], deps: Mapping[str, Sequence[str]]) -> N
     assert len(cycle) >= 2
     assert cycle[0] == cycle[-1]
     assert len(set(cycle[:-1])) == len(cycle) - 1  # a simple cycle: no key repeated inside
-    for node, dep in zip(cycle, cycle[1:], strict=False):
+    for node, dep in pairwise(cycle):
         assert dep in deps[node], f"{node} -> {dep} is not an edge"
 
 
@@ -75,7 +76,7 @@ def test_find_cycle_finds_a_planted_back_edge(data: st.DataObject) -> None:
         ),
         label="path",
     )
-    for higher, lower in zip(path, path[1:], strict=False):
+    for higher, lower in pairwise(path):
         if keys[lower] not in deps[keys[higher]]:
             deps[keys[higher]].append(keys[lower])
     deps[keys[path[-1]]].append(keys[path[0]])  # the back edge (a self-loop when the path has one key)
