@@ -43,7 +43,9 @@ def _table_sql(conn: Connection, table: sa.Table) -> str:
 
 def _placeholders(conn: Connection, tt: TaskTable, wake: WakeMode, relay_partitions: int) -> dict[str, str]:
     cols = tt.mapping.columns
-    q = lambda name: _q(conn, name)  # noqa: E731
+    def q(name: str) -> str:
+        return _q(conn, name)
+
     pg = conn.dialect.name == "postgresql"
     if cols.workflow_type:
         type_expr = f"CAST(NEW.{q(cols.workflow_type)} AS TEXT)"

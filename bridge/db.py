@@ -10,6 +10,7 @@ threads into an immediate ``database is locked`` error that no timeout can wait 
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -23,20 +24,20 @@ from bridge.exceptions import ConfigError, DatabaseUnavailable
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
+_CREDENTIALS = re.compile(r"^(?P<scheme>[A-Za-z][\w+.-]*://)(?P<user>[^:/@]*):(?P<password>.*)@(?P<rest>[^@]*)$",
+                          re.DOTALL)
+
+
 def mask_url(url: str | URL) -> str:
-    """The URL as text with any password replaced by ``***``; safe for logs, errors and reports."""
-    try:
-        parsed = make_url(url) if isinstance(url, str) else url
-    except ArgumentError:
-        text = str(url)
-        # Not parseable as a URL: mask anything between '://user:' and '@' by hand.
-        if "://" in text and "@" in text:
-            scheme, rest = text.split("://", 1)
-            creds, host = rest.rsplit("@", 1)
-            user = creds.split(":", 1)[0]
-            return f"{scheme}://{user}:***@{host}" if ":" in creds else text
+    """The URL as text with any password replaced by ``***``; safe for logs, errors and reports.
+
+    Everything between ``user:`` and the *last* ``@`` is treated as the password, so a password
+    with an unescaped ``@`` (a malformed URL, but a real secret) is still masked whole."""
+    text = url.render_as_string(hide_password=False) if isinstance(url, URL) else str(url)
+    match = _CREDENTIALS.match(text)
+    if match is None:
         return text
-    return parsed.render_as_string(hide_password=True)
+    return f"{match['scheme']}{match['user']}:***@{match['rest']}"
 
 
 def normalize_url(url: str) -> URL:
@@ -48,6 +49,8 @@ def normalize_url(url: str) -> URL:
             f"invalid database URL {mask_url(url)!r}; expected e.g. sqlite:///pollbridge.db or "
             "postgresql://user@host:5432/dbname"
         ) from None
+    if parsed.drivername == "postgres":  # the libpq spelling
+        parsed = parsed.set(drivername="postgresql")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
         raise ConfigError(
             f"unsupported database {parsed.get_backend_name()!r} in {mask_url(parsed)}; "

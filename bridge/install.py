@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Engine
 
 from bridge import migrate
-from bridge.db import check_connection
 from bridge.capture import install_capture, remove_capture
+from bridge.db import check_connection
 from bridge.demo_schema import create_demo_schema
 from bridge.mapping import TaskTableMapping
 from bridge.settings import CaptureSettings

@@ -171,18 +171,18 @@ class TaskTableMapping:
         _reject_unknown(raw, {"table", "schema", "columns", "statuses", "dependencies", "instances"}, "mapping")
         columns = TaskColumns(**_section(raw, "columns", TaskColumns))
         statuses = StatusValues(**_section(raw, "statuses", StatusValues))
-        deps = dict(raw.get("dependencies") or {})
-        _reject_unknown(deps, {"mode", "table", "task_id", "depends_on_id", "schema"}, "mapping.dependencies")
+        deps = _section(raw, "dependencies", EdgesTable, extra={"mode"})
         mode = deps.pop("mode", "json")
+        if mode == "edges" and "table" not in deps:
+            raise MappingError("mapping.dependencies.mode = 'edges' needs mapping.dependencies.table")
         edges = EdgesTable(**deps) if mode == "edges" else None
         if mode != "edges" and deps:
             raise MappingError("mapping.dependencies table/columns are only used with mode = 'edges'")
-        instances_raw = raw.get("instances", {})
-        instances: InstancesTable | None
-        if instances_raw is False or columns.workflow_type is not None:
-            instances = None
-        else:
-            instances = InstancesTable(**_section(raw, "instances", InstancesTable))
+        instances: InstancesTable | None = None
+        if raw.get("instances") is not False:  # `instances = false`: the type is a task-table column
+            # Validated even when unused, so a typo is reported rather than silently ignored.
+            configured = InstancesTable(**_section(raw, "instances", InstancesTable))
+            instances = None if columns.workflow_type is not None else configured
         return cls(
             table=raw.get("table", "tasks"),
             schema=raw.get("schema"),
@@ -194,11 +194,13 @@ class TaskTableMapping:
         )
 
 
-def _section(raw: Mapping[str, Any], key: str, kind: type) -> dict[str, Any]:
-    value = raw.get(key) or {}
+def _section(raw: Mapping[str, Any], key: str, kind: type, extra: set[str] | None = None) -> dict[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
     if not isinstance(value, Mapping):
         raise MappingError(f"mapping.{key} must be a table, got {type(value).__name__}")
-    allowed = {f.name for f in fields(kind)}
+    allowed = {f.name for f in fields(kind)} | (extra or set())
     _reject_unknown(value, allowed, f"mapping.{key}")
     return dict(value)
 

@@ -29,6 +29,7 @@ File layout::
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -217,7 +218,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
             workers=WorkerSettings(**workers),
             mapping=TaskTableMapping.from_dict(mapping_raw),
         )
-    except TypeError as exc:  # a wrongly typed value reaching a dataclass
+    except (TypeError, ValueError) as exc:  # a wrongly typed value reaching a dataclass
         raise ConfigError(f"invalid configuration value: {exc}") from None
 
 
@@ -240,10 +241,11 @@ def _string(value: object, what: str) -> str:
 
 def _positive(value: object, what: str, *, integer: bool = False) -> None:
     ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or not isinstance(value, int | float) or value <= 0:
+    if isinstance(value, bool) or not ok or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value <= 0:
         raise ConfigError(f"{what} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
 def _non_negative(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{what} must be a number >= 0, got {value!r}")

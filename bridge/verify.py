@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from fractions import Fraction
 from typing import Any
 
 import sqlalchemy as sa
@@ -188,5 +189,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q / 100.0 * len(ordered))))
+    # Exact rational arithmetic: in floating point 7 / 100 * 100 is 7.000000000000001, one rank too high.
+    rank = max(1, min(len(ordered), math.ceil(Fraction(str(q)) * len(ordered) / 100)))
     return ordered[rank - 1]

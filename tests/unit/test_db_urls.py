@@ -65,11 +65,6 @@ def test_mask_url_hides_unencoded_password(password: str) -> None:
     assert mask_url(f"redis://:{password}@host:6379/0") == "redis://:***@host:6379/0"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: db.py mask_url relies on make_url, which ends the password at the FIRST '@'; with an "
-    "unencoded '@' in the password the rest of it is treated as part of the host and printed in clear",
-)
 def test_mask_url_hides_password_with_unencoded_at_sign() -> None:
     masked = mask_url("postgresql://user:p@SECRETTAIL@host/db")
     assert "SECRETTAIL" not in masked
@@ -111,11 +106,6 @@ def test_normalize_url_selects_psycopg(url: str, driver: str) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: db.py normalize_url rejects 'postgres://' (backend name 'postgres' is not in "
-    "('sqlite', 'postgresql')) before reaching its own branch that maps drivername 'postgres' to psycopg",
-)
 def test_normalize_url_accepts_postgres_alias() -> None:
     assert normalize_url("postgres://user@host/db").drivername == "postgresql+psycopg"
 

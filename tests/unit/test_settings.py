@@ -345,11 +345,6 @@ def test_boundary_values_are_accepted(raw: dict[str, Any], attr: tuple[str, str]
     assert getattr(getattr(settings, attr[0]), attr[1]) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: settings.py _positive/_non_negative compare with <= 0 / < 0, which is False for NaN, "
-    "so nan (valid TOML) is accepted for poller.interval, workers.min_duration/max_duration/idle_sleep",
-)
 @pytest.mark.parametrize(
     ("section", "key"),
     [("poller", "interval"), ("workers", "idle_sleep"), ("workers", "min_duration"), ("workers", "max_duration")],
@@ -371,11 +366,6 @@ def test_dataclasses_validate_on_direct_construction() -> None:
         WorkerSettings(concurrency=-1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a non-table [mapping] dependencies value (e.g. dependencies = \"edges\") raises ValueError "
-    "from dict() in mapping.py from_dict; settings_from_dict only converts TypeError, so it escapes as a traceback",
-)
 def test_non_table_mapping_dependencies_is_a_config_error(tmp_path: Path) -> None:
     path = _write(tmp_path / "conf.toml", '[mapping]\ndependencies = "edges"\n')
     with pytest.raises(ConfigError):

@@ -43,23 +43,17 @@ def test_matches_reference_for_exact_quantiles(values: list[float], q: float) ->
 @given(values_lists, st.floats(0, 100))
 def test_matches_reference_away_from_rank_boundaries(values: list[float], q: float) -> None:
     exact = Fraction(q) * len(values) / 100
-    # Where q/100*n is (almost) a whole number float rounding can move the rank: see the xfail below.
+    # Where q/100*n is (almost) a whole number, see the exact-rank tests below.
     assume(abs(exact - round(exact)) > Fraction(1, 10**6))
     assert percentile(values, q) == reference(values, q)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: verify.py percentile computes ceil(q / 100.0 * n) in floating point; e.g. 7/100.0*100 == "
-    "7.000000000000001, so the rank is 8 instead of 7 (and p28/p56 of 25 values, p14 of 50, ... are one rank high)",
-)
 @given(int_lists, st.integers(0, 100))
 @example(list(range(1, 101)), 7)
 def test_matches_reference_for_integer_quantiles(values: list[int], q: int) -> None:
     assert percentile(values, q) == reference(values, q)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: verify.py percentile float rounding, see above")
 def test_p7_of_one_to_hundred_is_seven() -> None:
     assert percentile(list(range(1, 101)), 7) == 7
 

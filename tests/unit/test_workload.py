@@ -64,7 +64,7 @@ def test_find_cycle_empty() -> None:
     validate_dag("inst", {})
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(data=st.data())
 def test_find_cycle_finds_a_planted_back_edge(data: st.DataObject) -> None:
     deps = data.draw(dags(min_size=1), label="dag")

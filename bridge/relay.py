@@ -1,0 +1,320 @@
+"""The outbox relay: unpublished outbox rows → events on the bus, at least once, in batches.
+
+Each cycle takes up to ``batch_size`` unpublished rows of its partition with ``FOR UPDATE SKIP
+LOCKED``, publishes them (one pipelined round trip) and marks them published in the same
+transaction, only after the bus acknowledged. Rows are selected by ``published_at IS NULL``, never
+above a high-water id, so a row whose transaction committed after larger ids were published is
+still found on the next cycle. A crash between publish and commit republishes the batch: the
+duplicates carry the same event id and consumers dedupe on it.
+
+A malformed row (missing ids, a status the mapping does not know) is moved to
+``pollbridge_outbox_dead`` with the reason and the relay carries on.
+
+Bus loss: every ``epoch_check_interval`` the relay compares the bus epoch with the one it stored;
+when it changed (Redis flushed or restarted without persistence) it marks every row published within
+the retention window unpublished again, so they are republished. Changes older than the retention
+window are not replayed: the scheduler's catch-up from the database and the poller fallback cover them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine, Row
+
+from bridge.bus.abc import EventBus
+from bridge.capture import WakeMode
+from bridge.db import db_now, mask_url
+from bridge.events import TASK_STATUS_CHANGED, CloudEvent, EventFormatError
+from bridge.leadership import Leadership, ensure_state_row, leadership_for
+from bridge.mapping import StatusValues
+from bridge.relay_metrics import RelayMetrics
+from bridge.schema import outbox, outbox_dead, relay_state
+from bridge.settings import RelaySettings
+from bridge.verify import as_utc
+from bridge.wakeup import ListenWaiter, Waiter
+
+log = logging.getLogger(__name__)
+
+CHANGES = ("insert", "status", "due", "signal")
+#: How often the embedded relay (SQLite, no NOTIFY) probes an idle outbox.
+EMBEDDED_IDLE_PROBE = 0.02
+
+
+def row_to_event(row: Row[Any], statuses: StatusValues | None) -> CloudEvent:
+    """Build the CloudEvent for an outbox row; :class:`EventFormatError` says why a row is unusable."""
+    for column in ("task_id", "instance_id", "task_key", "new_status"):
+        if getattr(row, column) in (None, ""):
+            raise EventFormatError(f"outbox row {row.id}: {column} is empty")
+    if row.change not in CHANGES:
+        raise EventFormatError(f"outbox row {row.id}: unknown change {row.change!r}; expected {', '.join(CHANGES)}")
+    if statuses is not None:
+        for column in ("old_status", "new_status"):
+            value = getattr(row, column)
+            if value is not None and statuses.logical(value) is None:
+                raise EventFormatError(f"outbox row {row.id}: unknown {column} {value!r}; the mapping's status "
+                                       "values are " + ", ".join(repr(getattr(statuses, n)) for n in
+                                                                 ("pending", "dispatched", "running", "completed",
+                                                                  "failed")))
+    created = as_utc(row.created_at) or datetime.now(UTC)
+    return CloudEvent(
+        id=row.event_id,
+        type=TASK_STATUS_CHANGED,
+        subject=row.task_id,
+        partitionkey=row.instance_id,
+        time=created,
+        traceid=row.trace_id,
+        depth=0,
+        data={
+            "task_id": row.task_id,
+            "instance_id": row.instance_id,
+            "workflow_type": row.workflow_type,
+            "task_key": row.task_key,
+            "old_status": row.old_status,
+            "new_status": row.new_status,
+            "change": row.change,
+            "version": row.id,
+        },
+    )
+
+
+class Relay:
+    def __init__(
+        self,
+        engine: Engine,
+        bus: EventBus,
+        settings: RelaySettings,
+        *,
+        statuses: StatusValues | None = None,
+        partition: int = 0,
+        wake: WakeMode = "adaptive",
+        registry: CollectorRegistry | None = None,
+        leadership: Leadership | None = None,
+    ) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.settings = settings
+        self.statuses = statuses
+        self.partition = partition
+        self.wake = wake
+        self.metrics = RelayMetrics(registry if registry is not None else CollectorRegistry())
+        self.leadership = leadership or leadership_for(engine, partition, settings.lease_timeout)
+        self.pg = engine.dialect.name == "postgresql"
+        self._epoch: str | None = None
+        self._armed = False
+        self._labels = {"partition": str(partition)}
+        ensure_state_row(engine, partition)
+
+    # --- one batch ----------------------------------------------------------------------------------
+    def publish_batch(self) -> int:
+        """Publish up to one batch; return the number of outbox rows handled (published or dead-lettered)."""
+        o = outbox.c
+        query = (sa.select(outbox)
+                 .where(o.relay_partition == self.partition, o.published_at.is_(None))
+                 .order_by(o.id).limit(self.settings.batch_size)
+                 .with_for_update(skip_locked=True))
+        with self.engine.begin() as conn:
+            rows = conn.execute(query).all()
+            if not rows:
+                return 0
+            events: list[CloudEvent] = []
+            good: list[Row[Any]] = []
+            dead: list[tuple[Row[Any], str]] = []
+            for row in rows:
+                try:
+                    events.append(row_to_event(row, self.statuses))
+                    good.append(row)
+                except EventFormatError as exc:
+                    dead.append((row, str(exc)))
+            if events:
+                self.bus.publish(events)
+            now = db_now(self.engine.dialect.name)
+            if good:
+                conn.execute(outbox.update().where(o.id.in_([r.id for r in good])).values(published_at=now))
+            if dead:
+                conn.execute(outbox_dead.insert(), [
+                    {"outbox_id": r.id, "reason": reason, "payload": _row_json(r),
+                     "created_at": datetime.now(UTC)} for r, reason in dead])
+                conn.execute(outbox.delete().where(o.id.in_([r.id for r, _ in dead])))
+        self._record(good, len(dead))
+        return len(rows)
+
+    def _record(self, published: Sequence[Row[Any]], dead: int) -> None:
+        now = datetime.now(UTC)
+        self.metrics.published.inc(len(published))
+        self.metrics.batch_size.observe(len(published) + dead)
+        for row in published:
+            created = as_utc(row.created_at)
+            if created is not None:
+                self.metrics.publish_latency.observe(max(0.0, (now - created).total_seconds()))
+        if dead:
+            self.metrics.dead_letters.inc(dead)
+            log.warning("relay set aside %d malformed outbox row(s) in pollbridge_outbox_dead", dead)
+
+    # --- housekeeping -------------------------------------------------------------------------------
+    def probe(self) -> int:
+        """Backlog and oldest age of this partition (the idle fallback probe; also feeds the gauges)."""
+        o = outbox.c
+        with self.engine.connect() as conn:
+            count, oldest = conn.execute(
+                sa.select(sa.func.count(), sa.func.min(o.created_at))
+                .where(o.relay_partition == self.partition, o.published_at.is_(None))).one()
+        self.metrics.backlog.labels(**self._labels).set(count)
+        oldest_utc = as_utc(oldest)
+        age = (datetime.now(UTC) - oldest_utc).total_seconds() if oldest_utc else 0.0
+        self.metrics.oldest_age.labels(**self._labels).set(max(0.0, age))
+        return int(count)
+
+    def check_bus_epoch(self) -> bool:
+        """Detect bus loss; on loss queue the retained rows for republishing. True if a reset was handled."""
+        epoch = self.bus.epoch()
+        if self._epoch is None:
+            with self.engine.connect() as conn:
+                self._epoch = conn.execute(sa.select(relay_state.c.bus_epoch)
+                                           .where(relay_state.c.relay_partition == self.partition)).scalar()
+        if self._epoch == epoch:
+            return False
+        reset = self._epoch is not None
+        o = outbox.c
+        with self.engine.begin() as conn:
+            if reset:
+                since = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
+                if not self.pg:
+                    since = since.replace(tzinfo=None)
+                count = conn.execute(outbox.update()
+                                     .where(o.relay_partition == self.partition, o.published_at.is_not(None),
+                                            o.published_at >= since)
+                                     .values(published_at=None)).rowcount
+            conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
+                         .values(bus_epoch=epoch))
+        self._epoch = epoch
+        if reset:
+            self.metrics.bus_resets.inc()
+            self.metrics.republished.inc(count)
+            log.warning("bus lost its data (epoch changed): republishing %d retained outbox row(s)", count)
+        return reset
+
+    def purge(self) -> int:
+        """Delete published rows older than the retention window, in small batches."""
+        o = outbox.c
+        cutoff = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
+        if not self.pg:
+            cutoff = cutoff.replace(tzinfo=None)
+        total = 0
+        for _ in range(100):
+            ids = sa.select(o.id).where(o.published_at.is_not(None), o.published_at < cutoff,
+                                        o.relay_partition == self.partition).limit(self.settings.purge_batch)
+            with self.engine.begin() as conn:
+                n = conn.execute(outbox.delete().where(o.id.in_(ids.scalar_subquery()))).rowcount
+            total += n
+            if n < self.settings.purge_batch:
+                break
+        self.metrics.purged.inc(total)
+        return total
+
+    def _set_armed(self, armed: bool) -> None:
+        if armed == self._armed:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
+                         .values(armed=armed))
+        self._armed = armed
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Publish until ``stop`` is set; as a standby, wait for the partition; reconnect with backoff."""
+        listen = self.pg and self.wake in ("notify", "adaptive")
+        waiter: Waiter = ListenWaiter(self.engine, stop) if listen else Waiter(stop)
+        backoff = 0.1
+        next_heartbeat = next_epoch = next_purge = 0.0
+        leader = False
+        last_rows = time.monotonic()
+        try:
+            while not stop.is_set():
+                try:
+                    now = time.monotonic()
+                    if now >= next_heartbeat or not leader:
+                        was = leader
+                        leader = self.leadership.try_acquire()
+                        self.metrics.leader.labels(**self._labels).set(1 if leader else 0)
+                        next_heartbeat = now + self.settings.lease_timeout / 2
+                        if leader and not was:
+                            log.info("relay %s holds partition %d", self.leadership.holder, self.partition)
+                            self._armed = True
+                            self._set_armed(False)
+                        if not leader:  # a hot standby: retry soon so a takeover is quick
+                            stop.wait(min(1.0, self.settings.lease_timeout / 3))
+                            continue
+                    if now >= next_epoch:
+                        self.check_bus_epoch()
+                        next_epoch = now + self.settings.epoch_check_interval
+                    if now >= next_purge:
+                        self.purge()
+                        self.probe()
+                        next_purge = now + self.settings.purge_interval
+                    handled = self.publish_batch()
+                    backoff = 0.1
+                    if handled:
+                        last_rows = time.monotonic()
+                        if self._armed:
+                            self._set_armed(False)
+                        continue
+                    self._idle(waiter, listen, last_rows)
+                except Exception as exc:  # the relay must survive any outage and retry
+                    self.metrics.errors.labels(kind=type(exc).__name__).inc()
+                    log.warning("relay cycle failed (%s: %s); retrying in %.1f s", type(exc).__name__,
+                                _masked(str(exc), self.engine), backoff)
+                    leader = False if self.pg else leader
+                    if self.pg:
+                        self.leadership.release()
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            waiter.close()
+            with contextlib.suppress(Exception):  # best effort on the way out
+                self._set_armed(False)
+            self.leadership.release()
+            self.metrics.leader.labels(**self._labels).set(0)
+
+    def _idle(self, waiter: Waiter, listen: bool, last_rows: float) -> None:
+        s = self.settings
+        if not listen:
+            interval = s.poll_interval if (self.pg or time.monotonic() - last_rows < s.arm_after) \
+                else max(s.poll_interval, EMBEDDED_IDLE_PROBE)
+            waiter.wait(interval)
+            return
+        if self.wake == "adaptive":
+            if time.monotonic() - last_rows < s.arm_after:
+                waiter.wait(s.poll_interval)
+                return
+            if not self._armed:
+                assert isinstance(waiter, ListenWaiter)
+                waiter.ensure_listening()
+                self._set_armed(True)
+                if self.publish_batch():  # committed between our last probe and arming
+                    self._set_armed(False)
+                    return
+        # The next cycle's batch read is the probe, whether a notification or the timer woke us.
+        woken = waiter.wait(s.fallback_interval)
+        self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
+
+
+def _row_json(row: Row[Any]) -> str:
+    return json.dumps({k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row._mapping.items()},
+                      default=str)
+
+
+def _masked(text: str, engine: Engine) -> str:
+    password = engine.url.password
+    if password:
+        text = text.replace(str(password), "***")
+    return text.replace(engine.url.render_as_string(hide_password=False), mask_url(engine.url))

@@ -1,0 +1,74 @@
+"""Waking the relay when the outbox gets rows, without polling the task table.
+
+On PostgreSQL with ``notify`` or ``adaptive`` capture, the relay LISTENs on a dedicated
+autocommit connection and waits for a notification or its fallback timer, whichever comes first:
+a lost notification or a reconnecting listener delays events by at most the fallback interval,
+never loses them, because every wake-up (timer included) probes the outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import psycopg
+from sqlalchemy.engine import Engine
+
+from bridge.capture import NOTIFY_CHANNEL
+
+log = logging.getLogger(__name__)
+
+
+class Waiter:
+    """Sleeps between probes; ``wait`` returns True when woken by a notification."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    def wait(self, timeout: float) -> bool:
+        self.stop.wait(timeout)
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class ListenWaiter(Waiter):
+    def __init__(self, engine: Engine, stop: threading.Event) -> None:
+        super().__init__(stop)
+        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+
+    def ensure_listening(self) -> None:
+        """Connect and LISTEN (before the relay arms and re-probes, so no notification is missed)."""
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10)
+            self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.ensure_listening()
+            assert self._conn is not None
+            woken = False
+            # Short slices so a stop request is honoured promptly.
+            remaining = timeout
+            while remaining > 0 and not self.stop.is_set():
+                step = min(remaining, 0.25)
+                for _ in self._conn.notifies(timeout=step, stop_after=1):
+                    woken = True
+                if woken:
+                    for _ in self._conn.notifies(timeout=0):  # drain the ones that piled up
+                        pass
+                    return True
+                remaining -= step
+            return False
+        except psycopg.Error as exc:
+            log.warning("relay listener lost its connection (%s); falling back to the timer", type(exc).__name__)
+            self.close()
+            self.stop.wait(min(timeout, 1.0))
+            return False
+
+    def close(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+        self._conn = None
