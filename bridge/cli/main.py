@@ -240,6 +240,48 @@ def poller_run(ctx: click.Context, interval: float | None) -> None:
 
 
 @cli.group()
+def relay() -> None:
+    """The outbox relay: captured changes to the event bus."""
+
+
+@relay.command("run")
+@click.option("--partition", type=click.IntRange(0, 1023), default=0, envvar="POLLBRIDGE_RELAY_PARTITION",
+              show_envvar=True, help="Relay partition to serve (one active relay per partition; others stand by).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="POLLBRIDGE_METRICS_PORT",
+              show_envvar=True, help="Also serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.pass_context
+def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> None:
+    """Publish captured changes to the bus until SIGTERM or Ctrl-C."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from bridge.bus import open_bus
+    from bridge.relay import Relay
+
+    settings = settings_of(ctx)
+    engine = create_engine(settings.database_url)
+    bus = None
+    try:
+        check_connection(engine)
+        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
+                       namespace=settings.bus.namespace)
+        registry = CollectorRegistry()
+        if metrics_port is not None:
+            start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+        relay_ = Relay(engine, bus, settings.relay, statuses=settings.mapping.statuses, partition=partition,
+                       wake=settings.capture.wake, registry=registry)  # type: ignore[arg-type]
+        stop = _stop_on_signals()
+        click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
+                   f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
+        relay_.run(stop)
+        click.echo(f"relay stopped: {int(relay_.metrics.value('pollbridge_relay_published_total'))} published",
+                   err=True)
+    finally:
+        if bus is not None:
+            bus.close()
+        engine.dispose()
+
+
+@cli.group()
 def workers() -> None:
     """The demo worker pool."""
 

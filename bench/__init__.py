@@ -1,0 +1,1 @@
+"""Benchmark scripts (``python -m bench.<name>``). Figures go to docs/, never into timed tests."""

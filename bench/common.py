@@ -1,0 +1,75 @@
+"""Helpers shared by the benchmark scripts: a scratch PostgreSQL database, percentiles, output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from bridge.verify import percentile
+
+PG_ADMIN_URL = os.environ.get("POLLBRIDGE_BENCH_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("POLLBRIDGE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def db_url(name: str) -> str:
+    base, _, _ = PG_ADMIN_URL.rpartition("/")
+    return f"{base}/{name}"
+
+
+@contextmanager
+def scratch_database(name: str, keep: bool = False) -> Iterator[str]:
+    """A fresh PostgreSQL database for one benchmark run, dropped afterwards unless ``keep``."""
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield db_url(name)
+    finally:
+        if not keep:
+            with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def latency_summary(values_ms: Sequence[float]) -> dict[str, float | int | None]:
+    return {
+        "n": len(values_ms),
+        "p50_ms": _r(percentile(values_ms, 50)),
+        "p90_ms": _r(percentile(values_ms, 90)),
+        "p99_ms": _r(percentile(values_ms, 99)),
+        "max_ms": _r(max(values_ms) if values_ms else None),
+    }
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def machine() -> dict[str, Any]:
+    def cmd(*args: str) -> str:
+        try:
+            return subprocess.run(args, capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "postgresql": cmd("psql", "--version"),
+        "redis": cmd("redis-server", "--version").split(" sha=")[0],
+        "kernel": platform.release(),
+    }
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,0 +1,180 @@
+"""Relay benchmark: throughput into Redis, and commit → event readable on the bus latency.
+
+    python -m bench.relay [--rows 100000] [--rate 500] [--seconds 20] [--wake adaptive] [--quick] [--json FILE]
+
+1. *Throughput*: ``--rows`` tasks are inserted in one statement (the capture trigger writes one outbox
+   row each), then the relay drains the outbox into Redis Streams; rows/s over the drain.
+2. *Latency*: with the relay running as its own process (``pollbridge relay run``), a writer commits
+   single-row status updates at ``--rate`` per second; a consumer group reads the streams. For each
+   update: the time its event was read minus the time its commit returned (same host, same clock).
+
+Uses a scratch database on the local PostgreSQL and a namespace of its own on the local Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+
+from bench.common import REDIS_URL, latency_summary, machine, scratch_database, write_json
+from bridge import install
+from bridge.bus import open_bus
+from bridge.db import create_engine
+from bridge.mapping import TaskTableMapping
+from bridge.relay import Relay
+from bridge.settings import CaptureSettings, RelaySettings
+
+
+def _seed(engine: sa.Engine, rows: int, instance_prefix: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO workflow_instances (id, workflow_type) "
+                             "SELECT :p || (g / 10), 'bench' FROM generate_series(0, :n - 1) g WHERE g % 10 = 0"),
+                     {"p": instance_prefix, "n": rows})
+        conn.execute(sa.text("INSERT INTO tasks (instance_id, task_key, depends_on) "
+                             "SELECT :p || (g / 10), 't' || g, '[]' FROM generate_series(0, :n - 1) g"),
+                     {"p": instance_prefix, "n": rows})
+
+
+def throughput(url: str, rows: int, batch: int, namespace: str) -> dict[str, Any]:
+    engine = create_engine(url)
+    bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    try:
+        _seed(engine, rows, "tp-")
+        relay = Relay(engine, bus, RelaySettings(batch_size=batch), statuses=TaskTableMapping().statuses)
+        started = time.perf_counter()
+        published = 0
+        while True:
+            n = relay.publish_batch()
+            if not n:
+                break
+            published += n
+        seconds = time.perf_counter() - started
+        return {"rows": published, "batch_size": batch, "seconds": round(seconds, 3),
+                "rows_per_s": round(published / seconds, 1)}
+    finally:
+        bus.close()
+        engine.dispose()
+
+
+def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) -> dict[str, Any]:
+    engine = create_engine(url)
+    n_updates = int(rate * seconds)
+    _seed(engine, n_updates, "lat-")
+    with engine.connect() as conn:
+        ids = list(conn.execute(sa.text("SELECT id FROM tasks WHERE instance_id LIKE 'lat-%' ORDER BY id")).scalars())
+    # Drain the seed rows first so the measurement sees only the updates.
+    drain_bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    relay = Relay(engine, drain_bus, RelaySettings(batch_size=2000), statuses=TaskTableMapping().statuses)
+    while relay.publish_batch():
+        pass
+    relay.leadership.release()
+    consumer_bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    consumer_bus.ensure_group("bench")
+    # Skip what is already on the streams (the seed inserts): read them once and ack.
+    while True:
+        old = consumer_bus.read("bench", "c", list(range(8)), 5000, 0.05)
+        if not old:
+            break
+        consumer_bus.ack("bench", old)
+
+    workdir = tempfile.mkdtemp()
+    env = {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
+    with open(os.path.join(workdir, "pollbridge.toml"), "w") as f:
+        f.write(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n')
+    exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")
+    proc = subprocess.Popen([exe, "relay", "run"], cwd=workdir, env=env, stderr=subprocess.DEVNULL)
+    committed: dict[str, float] = {}
+    received: dict[str, float] = {}
+    done = threading.Event()
+
+    def consume() -> None:
+        while not done.is_set() or len(received) < len(committed):
+            batch = consumer_bus.read("bench", "c", list(range(8)), 1000, 0.2)
+            now = time.perf_counter()
+            for d in batch:
+                if d.event is not None and d.event.data.get("change") == "status":
+                    received.setdefault(d.event.subject, now)
+            if batch:
+                consumer_bus.ack("bench", batch)
+            if done.is_set() and not batch:
+                break
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    time.sleep(1.0)  # let the relay start and take its partition before the clock starts
+    interval = 1.0 / rate
+    next_at = time.perf_counter()
+    with engine.connect() as conn:
+        for task_id in ids:
+            next_at += interval
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            with conn.begin():
+                conn.execute(sa.text("UPDATE tasks SET status = 'queued' WHERE id = :id"), {"id": task_id})
+            committed[str(task_id)] = time.perf_counter()
+    deadline = time.monotonic() + 30
+    while len(received) < len(committed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.set()
+    reader.join(10)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    lat = [(received[k] - committed[k]) * 1000 for k in committed if k in received]
+    consumer_bus.close()
+    drain_bus.close()
+    engine.dispose()
+    return {"rate_per_s": rate, "updates": len(committed), "received": len(lat), "wake": wake,
+            **latency_summary(lat)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=2000)
+    parser.add_argument("--rate", type=float, default=500)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--wake", default="adaptive", choices=["poll", "notify", "adaptive"])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CI (< 1 minute)")
+    parser.add_argument("--json", dest="json_path", help="also write the results to this file")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.seconds = 5000, 3
+    namespace = f"pbbench{uuid.uuid4().hex[:6]}"
+    results: dict[str, Any] = {"machine": machine(), "command": " ".join(["python -m bench.relay", *sys.argv[1:]])}
+    try:
+        with scratch_database("pollbridge_bench_relay") as url:
+            engine = create_engine(url)
+            install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings(wake=args.wake))
+            engine.dispose()
+            results["throughput"] = throughput(url, args.rows, args.batch, namespace)
+            results["latency"] = latency(url, args.rate, args.seconds, args.wake, namespace)
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{namespace}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+    tp, lat = results["throughput"], results["latency"]
+    print(f"relay throughput: {tp['rows']} rows in {tp['seconds']} s = {tp['rows_per_s']} rows/s "
+          f"(batch {tp['batch_size']})")
+    print(f"commit -> readable on the bus at {lat['rate_per_s']}/s ({lat['wake']}): p50 {lat['p50_ms']} ms, "
+          f"p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms "
+          f"({lat['received']}/{lat['updates']} received)")
+    write_json(args.json_path, results)
+
+
+if __name__ == "__main__":
+    main()

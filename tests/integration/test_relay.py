@@ -1,0 +1,253 @@
+"""The relay: every captured change reaches the bus at least once, under out-of-order commits, bus loss,
+malformed rows and a standby takeover. Runs on SQLite + embedded bus, PostgreSQL + embedded bus and
+PostgreSQL + Redis Streams."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from support import wait_for
+
+from bridge.bus import EventBus, open_bus
+from bridge.bus.abc import Delivery
+from bridge.db import create_engine
+from bridge.mapping import TaskTableMapping
+from bridge.relay import Relay
+from bridge.schema import outbox, outbox_dead
+from bridge.settings import RelaySettings
+from bridge.tasktable import TaskTable, reflect_tables
+
+FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
+                     lease_timeout=1.0, purge_interval=3600)
+
+
+@dataclass
+class Env:
+    engine: Engine
+    tables: TaskTable
+    open_bus: Callable[[], EventBus]
+    kind: str
+    namespace: str | None = None
+
+
+@pytest.fixture(params=[
+    "sqlite-embedded",
+    pytest.param("postgresql-embedded", marks=pytest.mark.postgres),
+    pytest.param("postgresql-redis", marks=[pytest.mark.postgres, pytest.mark.redis]),
+])
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    db, bus_kind = request.param.split("-")
+    url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
+    engine = create_engine(url)
+    buses: list[EventBus] = []
+    namespace = None
+    if bus_kind == "redis":
+        redis_url = request.getfixturevalue("redis_server")
+        namespace = request.getfixturevalue("redis_namespace")
+
+        def opener() -> EventBus:
+            bus = open_bus(redis_url, partitions=4, namespace=namespace)
+            buses.append(bus)
+            return bus
+    else:
+        def opener() -> EventBus:
+            bus = open_bus("embedded", engine=engine, partitions=4)
+            buses.append(bus)
+            return bus
+    yield Env(engine, reflect_tables(engine, TaskTableMapping()), opener, request.param, namespace)
+    for bus in buses:
+        bus.close()
+    engine.dispose()
+
+
+def add_tasks(env: Env, instance: str, n: int) -> None:
+    with env.engine.begin() as conn:
+        conn.execute(env.tables.instances.insert().values(id=instance, workflow_type="orders"))  # type: ignore[union-attr]
+        conn.execute(env.tables.tasks.insert(), [{"instance_id": instance, "task_key": f"k{i}", "depends_on": []}
+                                                 for i in range(n)])
+
+
+def outbox_event_ids(env: Env) -> set[str]:
+    with env.engine.connect() as conn:
+        return set(conn.execute(sa.select(outbox.c.event_id)).scalars())
+
+
+class Audit:
+    """A consumer group of its own that collects every event id the bus delivers."""
+
+    def __init__(self, bus: EventBus, group: str = "audit") -> None:
+        self.bus, self.group = bus, group
+        bus.ensure_group(group)
+        self.seen: list[Delivery] = []
+
+    def collect(self, expected: set[str], timeout: float = 20.0) -> set[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            batch = self.bus.read(self.group, "auditor", list(range(self.bus.partitions)), 500, 0.05)
+            if batch:
+                self.bus.ack(self.group, batch)
+                self.seen.extend(batch)
+            ids = self.ids()
+            if expected <= ids or time.monotonic() > deadline:
+                return ids
+
+    def ids(self) -> set[str]:
+        return {d.event.id for d in self.seen if d.event is not None}
+
+
+@pytest.fixture
+def running() -> Iterator[Callable[[Relay], threading.Event]]:
+    started: list[tuple[threading.Thread, threading.Event]] = []
+
+    def start(relay: Relay) -> threading.Event:
+        stop = threading.Event()
+        thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+        thread.start()
+        started.append((thread, stop))
+        return stop
+
+    yield start
+    for thread, stop in started:
+        stop.set()
+        thread.join(15)
+
+
+def test_every_change_is_published_once_with_its_event(env: Env) -> None:
+    add_tasks(env, "r1", 25)
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    while relay.publish_batch():
+        pass
+    expected = outbox_event_ids(env)
+    assert len(expected) == 25
+    audit = Audit(env.open_bus())
+    assert audit.collect(expected) == expected
+    assert len(audit.seen) == 25
+    event = audit.seen[0].event
+    assert event is not None
+    assert event.type == "task.status_changed" and event.partitionkey == "r1"
+    assert event.data["new_status"] == "pending" and event.data["change"] == "insert"
+    assert event.traceid and len(event.traceid) == 32
+    with env.engine.connect() as conn:
+        unpublished = conn.execute(sa.select(sa.func.count()).where(outbox.c.published_at.is_(None))).scalar()
+    assert unpublished == 0
+    assert relay.metrics.value("pollbridge_relay_published_total") == 25
+
+
+def test_a_row_committing_after_larger_ids_is_still_published(env: Env, running: Callable[[Relay], object]) -> None:
+    if env.kind.startswith("sqlite"):
+        pytest.skip("SQLite serialises writers: a transaction cannot stay open while others commit")
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    audit = Audit(env.open_bus())
+    running(relay)
+    with env.engine.begin() as conn:
+        conn.execute(env.tables.instances.insert(), [{"id": "slow", "workflow_type": "w"},  # type: ignore[union-attr]
+                                                     {"id": "fast", "workflow_type": "w"}])
+    slow = env.engine.connect()
+    slow_tx = slow.begin()
+    slow.execute(env.tables.tasks.insert().values(instance_id="slow", task_key="a", depends_on=[]))
+    slow_id = slow.execute(sa.select(sa.func.max(outbox.c.id))).scalar_one()  # this transaction's outbox row
+    for i in range(5):  # later transactions take larger ids and commit first
+        with env.engine.begin() as conn:
+            conn.execute(env.tables.tasks.insert().values(instance_id="fast", task_key=f"k{i}", depends_on=[]))
+    fast_ids = outbox_event_ids(env)
+    assert audit.collect(fast_ids) == fast_ids
+    with env.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.min(outbox.c.id))).scalar_one() > slow_id
+    slow_tx.commit()
+    slow.close()
+    everything = outbox_event_ids(env)
+    assert len(everything) == 6
+    assert audit.collect(everything) == everything
+
+
+def test_malformed_row_is_dead_lettered_and_the_relay_carries_on(env: Env) -> None:
+    add_tasks(env, "m1", 2)
+    with env.engine.begin() as conn:
+        conn.execute(outbox.insert().values(event_id="bad-1", task_id="999", instance_id="m1", task_key="x",
+                                            change="status", old_status="pending", new_status="exploded",
+                                            created_at=sa.func.current_timestamp()))
+    add_tasks(env, "m2", 1)
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    while relay.publish_batch():
+        pass
+    with env.engine.connect() as conn:
+        dead = conn.execute(sa.select(outbox_dead)).all()
+        left = conn.execute(sa.select(sa.func.count()).where(outbox.c.published_at.is_(None))).scalar()
+    assert len(dead) == 1 and "'exploded'" in dead[0].reason and "bad-1" in dead[0].payload
+    assert left == 0
+    expected = outbox_event_ids(env)
+    assert len(expected) == 3 and "bad-1" not in expected
+    assert Audit(env.open_bus()).collect(expected) == expected
+    assert relay.metrics.value("pollbridge_outbox_dead_letters_total") == 1
+
+
+def test_bus_loss_is_detected_and_retained_rows_republished(env: Env, running: Callable[[Relay], object]) -> None:
+    if not env.kind.endswith("redis"):
+        pytest.skip("the embedded bus lives in the database: it is lost only with the database")
+    import redis
+
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    running(relay)
+    add_tasks(env, "before", 10)
+    before = outbox_event_ids(env)
+    assert Audit(env.open_bus(), "consumer").collect(before) == before
+    # Redis restarted without persistence: every key of the namespace is gone.
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    client.delete(*list(client.scan_iter(match=f"{env.namespace}:*")))
+    client.close()
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_bus_resets_total") >= 1, 10, what="bus reset detection")
+    add_tasks(env, "after", 5)
+    everything = outbox_event_ids(env)
+    # A consumer group created after the loss still receives every change, old and new.
+    assert Audit(env.open_bus(), "consumer").collect(everything) == everything
+    assert relay.metrics.value("pollbridge_relay_republished_total") >= 10
+
+
+def test_standby_takes_over_when_the_active_relay_stops(env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    first = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    second = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    stop_first = running(first)
+    wait_for(lambda: first.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 1, 10,
+             what="first relay to lead")
+    running(second)
+    add_tasks(env, "a", 3)
+    wait_for(lambda: first.metrics.value("pollbridge_relay_published_total") == 3, 10, what="first relay publishing")
+    assert second.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 0
+    stop_first.set()
+    wait_for(lambda: second.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 1, 15,
+             what="standby takeover")
+    add_tasks(env, "b", 4)
+    wait_for(lambda: second.metrics.value("pollbridge_relay_published_total") == 4, 10, what="standby publishing")
+    expected = outbox_event_ids(env)
+    assert Audit(env.open_bus()).collect(expected) == expected
+
+
+def test_probe_reports_backlog_and_age(env: Env) -> None:
+    add_tasks(env, "p", 7)
+    relay = Relay(env.engine, env.open_bus(), FAST)
+    assert relay.probe() == 7
+    assert relay.metrics.value("pollbridge_outbox_backlog", {"partition": "0"}) == 7
+    assert relay.metrics.value("pollbridge_outbox_oldest_unpublished_age_seconds", {"partition": "0"}) >= 0
+    relay.publish_batch()
+    assert relay.probe() == 0
+
+
+def test_purge_keeps_the_retention_window(env: Env) -> None:
+    add_tasks(env, "old", 3)
+    relay = Relay(env.engine, env.open_bus(), RelaySettings(retention=3600, purge_batch=2))
+    relay.publish_batch()
+    assert relay.purge() == 0  # just published: inside the window
+    with env.engine.begin() as conn:
+        old = sa.func.datetime("now", "-2 hours") if env.kind.startswith("sqlite") else sa.text(
+            "clock_timestamp() - interval '2 hours'")
+        conn.execute(outbox.update().values(published_at=old))
+    add_tasks(env, "new", 1)  # unpublished: never purged
+    assert relay.purge() == 3
+    with env.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar() == 1
