@@ -92,6 +92,17 @@ def create_engine(url: str, *, pool_size: int = 5) -> Engine:
     )
 
 
+READ_ONLY = "pollbridge_read_only"
+
+
+def read_only(engine: Engine) -> Engine:
+    """The same engine for read-only work: on SQLite its transactions are deferred (no write lock).
+
+    Never write through it on SQLite: a deferred transaction that later writes can fail at once with
+    "database is locked" instead of waiting."""
+    return engine.execution_options(**{READ_ONLY: True})
+
+
 def open_engine(engine_or_url: Engine | str) -> tuple[Engine, bool]:
     """``(engine, owned)``: ``owned`` is true when this call created the engine (the caller disposes it)."""
     if isinstance(engine_or_url, Engine):
@@ -121,7 +132,8 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # Read-only work (see read_only()) takes no write lock: in WAL mode it never blocks writers.
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
 def is_sqlite(bind: Engine | Connection) -> bool:

@@ -136,7 +136,7 @@ class Relay:
                 except EventFormatError as exc:
                     dead.append((row, str(exc)))
             if events:
-                self.bus.publish(events)
+                self.bus.publish_in(conn, events)
             now = db_now(self.engine.dialect.name)
             if good:
                 conn.execute(outbox.update().where(o.id.in_([r.id for r in good])).values(published_at=now))

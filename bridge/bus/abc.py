@@ -8,6 +8,11 @@ The contract, for every implementation:
 * **publish(events)** returns only when every event is durably on the bus (Redis: the server
   acknowledged the pipeline; embedded: the transaction committed). It either raises or has
   published them all; publishing the same event twice is allowed (consumers dedupe by ``id``).
+  **publish_in(conn, events)** is the same from inside a caller's open transaction on pollbridge's
+  database: a bus that lives in that database (embedded) writes through ``conn``, so the events
+  are durable exactly when the caller commits; any other bus publishes at once as ``publish`` does.
+* **Entry ids** are unique within a partition only: a delivery is identified by
+  ``(partition, entry_id)``.
 * **Consumer groups.** ``ensure_group(group)`` creates the group on every partition if missing
   (idempotent; a new group starts at the beginning of the retained log). ``read(group, consumer,
   partitions, count, block)`` returns up to ``count`` entries never delivered to this group,
@@ -34,6 +39,8 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from sqlalchemy.engine import Connection
 
 from bridge.events import CloudEvent
 
@@ -68,6 +75,10 @@ class EventBus(ABC):
 
     @abstractmethod
     def publish(self, events: Sequence[CloudEvent]) -> None: ...
+
+    def publish_in(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
+        """Publish from inside the caller's transaction (see the contract); by default, at once."""
+        self.publish(events)
 
     @abstractmethod
     def ensure_group(self, group: str) -> None: ...

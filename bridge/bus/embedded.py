@@ -1,0 +1,414 @@
+"""The embedded bus: an event log in pollbridge's own database, with Redis Streams group semantics.
+
+It needs no server, so the default installation (SQLite) and small PostgreSQL ones get the same
+event path as production; the one contract suite proves both backends behave alike. The tables
+are ``pollbridge_bus_log`` (the log; a row id is an entry id), ``pollbridge_bus_groups`` (per
+group and partition, the id of the last entry delivered: the group's offset),
+``pollbridge_bus_pending`` (delivered, not acknowledged; who has it, since when, how many times)
+and ``pollbridge_bus_dead``.
+
+Why it is built the way it is:
+
+* **read** takes the entries after the group's offsets, records them as pending and advances the
+  offsets in *one* transaction, so an entry is delivered by ``read`` once per group even with
+  many consumers. On PostgreSQL the group rows are locked ``FOR UPDATE`` (in partition order, so
+  two consumers never deadlock); on SQLite every transaction is ``BEGIN IMMEDIATE`` already.
+* **Commit order.** A reader that advances an offset past an id must never meet a smaller id
+  later. PostgreSQL hands out ids when a row is inserted, not when it commits, so two concurrent
+  publishers could commit ids 10 and 9 in that order and a reader between the commits would skip
+  9 forever. ``publish`` therefore takes a transaction-level advisory lock per partition it writes
+  (in partition order) before inserting: within a partition, id order is commit order. SQLite
+  serialises writers anyway. On SQLite the highest row of the log is never trimmed either: without
+  ``AUTOINCREMENT`` SQLite reuses the largest deleted rowid, which would hide a new entry behind
+  an offset that already passed that id.
+* **Blocking read** re-checks every ``poll_interval`` with a cheap lock-free query (the offsets,
+  then "is anything after them"), and a process-wide condition per database, notified by
+  ``publish``, wakes a same-process consumer at once.
+* **Time** is the database clock (:func:`bridge.db.db_now`) everywhere, so idle times and
+  retention do not depend on which host's clock a consumer has.
+* **epoch** is a constant: the embedded log is lost only with the database itself, and then the
+  relay's stored epoch (in the same database) is lost with it, so there is nothing to detect.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.sql.elements import ColumnElement
+
+from bridge.bus.abc import DeadLetter, Delivery, EventBus
+from bridge.db import db_now, read_only
+from bridge.events import CloudEvent, EventFormatError
+from bridge.schema import bus_dead, bus_groups, bus_log, bus_pending
+
+#: First key of the PostgreSQL advisory locks that order publishes per partition (the second key
+#: is the partition). Derived from the table name so it will not collide with other users' locks.
+ADVISORY_LOCK_CLASS = zlib.crc32(b"pollbridge_bus_log") & 0x7FFFFFFF
+
+#: The embedded epoch (see the module docstring for why a constant is right).
+EMBEDDED_EPOCH = "embedded-1"
+
+_EVENT_ID_LENGTH = 36  # pollbridge_bus_log.event_id; informational only, the payload has the full id
+
+
+class _Wakeup:
+    """A generation counter under a condition: waiters compare generations so no notify is missed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.generation = 0
+
+    def notify(self) -> None:
+        with self._cond:
+            self.generation += 1
+            self._cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> int:
+        """Wait until the generation moves past ``seen`` or ``timeout`` passes; the current generation."""
+        with self._cond:
+            if self.generation == seen:
+                self._cond.wait(timeout)
+            return self.generation
+
+
+_wakeups: dict[str, _Wakeup] = {}
+_wakeups_lock = threading.Lock()
+
+
+def _wakeup_for(engine: Engine) -> _Wakeup:
+    """One wake-up per database per process, so two bus objects on one database wake each other."""
+    key = engine.url.render_as_string(hide_password=False)
+    with _wakeups_lock:
+        return _wakeups.setdefault(key, _Wakeup())
+
+
+class EmbeddedBus(EventBus):
+    """The bus inside pollbridge's database (SQLite or PostgreSQL). Thread-safe."""
+
+    def __init__(self, engine: Engine, *, partitions: int = 8, poll_interval: float = 0.01) -> None:
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
+        self.partitions = partitions
+        self._engine = engine
+        # Lock-free checks: on SQLite a deferred transaction, so idle polling takes no write lock.
+        self._reader = read_only(engine)
+        self._dialect = engine.dialect.name
+        self._poll = poll_interval
+        self._wakeup = _wakeup_for(engine)
+
+    def __repr__(self) -> str:
+        return f"EmbeddedBus({self._engine.url.render_as_string(hide_password=True)}, partitions={self.partitions})"
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the log lives in (for tools and tests that look at the tables)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, events: Sequence[CloudEvent]) -> None:
+        if not events:
+            return
+        with self._engine.begin() as conn:
+            self._append(conn, events)
+        self._wakeup.notify()
+
+    def publish_in(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
+        """Publish inside the caller's open transaction on this bus's database; durable when it commits.
+
+        Not part of :class:`EventBus`: it exists because the embedded log shares the caller's
+        database. On SQLite a caller that holds a write transaction (every transaction there is
+        ``BEGIN IMMEDIATE``) and calls :meth:`publish` waits for its own lock until the busy timeout;
+        this writes through the caller's connection instead, which also makes "mark the outbox rows
+        published" and "append them to the log" one atomic step. Same-process readers are woken
+        now and, not finding the rows until the commit, pick them up on their next poll."""
+        if events:
+            self._append(conn, events)
+            self._wakeup.notify()
+
+    def _append(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
+        rows: list[dict[str, Any]] = [
+            {"partition": self.partition_of(e), "event_id": e.id[:_EVENT_ID_LENGTH], "payload": e.to_json()}
+            for e in events
+        ]
+        if self._dialect == "postgresql":
+            # Held to commit: within a partition, ids commit in id order (see the module docstring).
+            conn.execute(
+                sa.text(
+                    "SELECT pg_advisory_xact_lock(:cls, s.p) FROM "
+                    "(SELECT unnest(CAST(:parts AS integer[])) AS p ORDER BY 1) AS s"
+                ),
+                {"cls": ADVISORY_LOCK_CLASS, "parts": sorted({int(r["partition"]) for r in rows})},
+            )
+        conn.execute(bus_log.insert().values(created_at=db_now(self._dialect)), rows)
+
+    # ------------------------------------------------------------------ groups
+
+    def ensure_group(self, group: str) -> None:
+        with self._engine.begin() as conn:
+            self._insert_group_rows(conn, group, range(self.partitions))
+
+    def _insert_group_rows(self, conn: Connection, group: str, partitions: Iterable[int]) -> None:
+        """Offset 0 for each partition that has none: a new group starts at the start of the log."""
+        rows = [{"group_name": _group(group), "partition": p, "last_delivered_id": 0} for p in partitions]
+        if not rows:
+            return
+        insert = postgresql.insert(bus_groups) if self._dialect == "postgresql" else sqlite.insert(bus_groups)
+        conn.execute(insert.on_conflict_do_nothing(index_elements=["group_name", "partition"]), rows)
+
+    def _offsets(self, conn: Connection, group: str, parts: Sequence[int], *, lock: bool) -> dict[int, int]:
+        query = (
+            sa.select(bus_groups.c.partition, bus_groups.c.last_delivered_id)
+            .where(bus_groups.c.group_name == group, bus_groups.c.partition.in_(parts))
+            .order_by(bus_groups.c.partition)
+        )
+        if lock:
+            query = query.with_for_update()  # rendered on PostgreSQL only; SQLite is BEGIN IMMEDIATE
+        return {int(p): int(off) for p, off in conn.execute(query).all()}
+
+    # ------------------------------------------------------------------ reading
+
+    def read(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float) -> list[Delivery]:
+        parts = self._checked(partitions)
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        _group(group)
+        if not parts:
+            return []
+        deadline = time.monotonic() + max(block, 0.0)
+        while True:
+            seen = self._wakeup.generation
+            got = self._take(group, consumer, parts, count)
+            if got:
+                return got
+            # Nothing now: wait for a same-process publish or the next poll, then look cheaply.
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                seen = self._wakeup.wait(seen, min(self._poll, remaining))
+                if self._has_undelivered(group, parts):
+                    break
+
+    def _take(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
+        """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction."""
+        with self._engine.begin() as conn:
+            offsets = self._offsets(conn, group, parts, lock=True)
+            if len(offsets) < len(parts):
+                self._insert_group_rows(conn, group, [p for p in parts if p not in offsets])
+                offsets = self._offsets(conn, group, parts, lock=True)
+            rows = conn.execute(
+                sa.select(bus_log.c.id, bus_log.c.partition, bus_log.c.payload)
+                .where(_after(offsets))
+                .order_by(bus_log.c.id)
+                .limit(count)
+            ).all()
+            if not rows:
+                return []
+            conn.execute(
+                bus_pending.insert().values(delivered_at=db_now(self._dialect)),
+                [{"group_name": group, "entry_id": r.id, "partition": r.partition, "consumer": consumer,
+                  "deliveries": 1} for r in rows],
+            )
+            last: dict[int, int] = {}
+            for r in rows:
+                last[int(r.partition)] = max(last.get(int(r.partition), 0), int(r.id))
+            conn.execute(
+                bus_groups.update()
+                .where(bus_groups.c.group_name == sa.bindparam("b_group"),
+                       bus_groups.c.partition == sa.bindparam("b_partition"))
+                .values(last_delivered_id=sa.bindparam("b_last")),
+                [{"b_group": group, "b_partition": p, "b_last": v} for p, v in last.items()],
+            )
+        return [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
+
+    def _has_undelivered(self, group: str, parts: list[int]) -> bool:
+        """Lock-free peek: is there any entry after the group's offsets (0 where it has none)?"""
+        with self._reader.connect() as conn:
+            known = self._offsets(conn, group, parts, lock=False)
+            offsets = {p: known.get(p, 0) for p in parts}
+            found = conn.execute(sa.select(bus_log.c.id).where(_after(offsets)).limit(1)).first()
+            conn.rollback()
+        return found is not None
+
+    # ------------------------------------------------------------------ acknowledging and redelivery
+
+    def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
+        ids = sorted({int(d.entry_id) for d in deliveries})
+        if not ids:
+            return
+        with self._engine.begin() as conn:
+            conn.execute(bus_pending.delete().where(bus_pending.c.group_name == group,
+                                                    bus_pending.c.entry_id.in_(ids)))
+
+    def claim_stale(self, group: str, consumer: str, partitions: Sequence[int], min_idle: float,
+                    count: int) -> list[Delivery]:
+        parts = self._checked(partitions)
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if not parts:
+            return []
+        with self._engine.begin() as conn:
+            query = (
+                sa.select(bus_pending.c.entry_id, bus_pending.c.partition, bus_pending.c.deliveries,
+                          bus_log.c.payload)
+                .select_from(bus_pending.outerjoin(bus_log, bus_log.c.id == bus_pending.c.entry_id))
+                .where(bus_pending.c.group_name == group,
+                       bus_pending.c.partition.in_(parts),
+                       bus_pending.c.delivered_at <= self._ago(min_idle))
+                .order_by(bus_pending.c.entry_id)
+                .limit(count)
+            )
+            if self._dialect == "postgresql":
+                # Two claimers never take the same rows; a row being acked is skipped, not waited for.
+                query = query.with_for_update(of=bus_pending, skip_locked=True)
+            rows = conn.execute(query).all()
+            if not rows:
+                return []
+            gone = [int(r.entry_id) for r in rows if r.payload is None]
+            live = [r for r in rows if r.payload is not None]
+            if gone:
+                # Like XAUTOCLAIM: an entry no longer in the log leaves the pending list.
+                conn.execute(bus_pending.delete().where(bus_pending.c.group_name == group,
+                                                        bus_pending.c.entry_id.in_(gone)))
+            if live:
+                conn.execute(
+                    bus_pending.update()
+                    .where(bus_pending.c.group_name == group,
+                           bus_pending.c.entry_id.in_([int(r.entry_id) for r in live]))
+                    .values(consumer=consumer, delivered_at=db_now(self._dialect),
+                            deliveries=bus_pending.c.deliveries + 1)
+                )
+        return [_delivery(r.entry_id, r.partition, r.payload, int(r.deliveries) + 1) for r in live]
+
+    def pending_count(self, group: str) -> int:
+        with self._reader.connect() as conn:
+            n = conn.execute(sa.select(sa.func.count()).select_from(bus_pending)
+                             .where(bus_pending.c.group_name == group)).scalar_one()
+            conn.rollback()
+        return int(n)
+
+    def lag(self, group: str) -> dict[int, int]:
+        parts = list(range(self.partitions))
+        with self._reader.connect() as conn:
+            known = self._offsets(conn, group, parts, lock=False)
+            rows = conn.execute(
+                sa.select(bus_log.c.partition, sa.func.count())
+                .where(_after({p: known.get(p, 0) for p in parts}))
+                .group_by(bus_log.c.partition)
+            ).all()
+            conn.rollback()
+        lags = dict.fromkeys(parts, 0)
+        lags.update({int(p): int(n) for p, n in rows})
+        return lags
+
+    # ------------------------------------------------------------------ dead letters
+
+    def dead_letter(self, group: str, delivery: Delivery, reason: str) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(bus_dead.insert().values(
+                group_name=group, entry_id=delivery.entry_id, partition=delivery.partition,
+                payload=delivery.payload, reason=reason, created_at=db_now(self._dialect)))
+            conn.execute(bus_pending.delete().where(bus_pending.c.group_name == group,
+                                                    bus_pending.c.entry_id == int(delivery.entry_id)))
+
+    def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        if limit < 1:
+            return []
+        with self._reader.connect() as conn:
+            rows = conn.execute(sa.select(bus_dead).order_by(bus_dead.c.id).limit(limit)).all()
+            conn.rollback()
+        return [DeadLetter(id=str(r.id), group=r.group_name, entry_id=r.entry_id, partition=int(r.partition),
+                           payload=r.payload, reason=r.reason) for r in rows]
+
+    def remove_dead_letters(self, ids: Sequence[str]) -> int:
+        numeric = sorted({int(i) for i in ids if str(i).isdigit()})
+        if not numeric:
+            return 0
+        with self._engine.begin() as conn:
+            return int(conn.execute(bus_dead.delete().where(bus_dead.c.id.in_(numeric))).rowcount)
+
+    # ------------------------------------------------------------------ trimming and loss detection
+
+    def trim(self, retention: float) -> int:
+        """Delete entries at least ``retention`` old that every group has read and none has pending."""
+        removed = 0
+        with self._engine.begin() as conn:
+            offsets: dict[str, dict[int, int]] = {}
+            for g, p, off in conn.execute(sa.select(bus_groups.c.group_name, bus_groups.c.partition,
+                                                    bus_groups.c.last_delivered_id)).all():
+                offsets.setdefault(g, {})[int(p)] = int(off)
+            partitions = set(range(self.partitions)).union(*(set(o) for o in offsets.values()))
+            newest = None
+            if self._dialect == "sqlite":
+                newest = conn.execute(sa.select(sa.func.max(bus_log.c.id))).scalar_one()
+            cutoff = self._ago(retention)
+            for p in sorted(partitions):
+                conds: list[ColumnElement[bool]] = [
+                    bus_log.c.partition == p,
+                    bus_log.c.created_at <= cutoff,
+                    ~sa.exists().where(bus_pending.c.entry_id == bus_log.c.id),
+                ]
+                if offsets:
+                    # A group without a row for p has read nothing there (offset 0).
+                    below = min(o.get(p, 0) for o in offsets.values())
+                    if below == 0:
+                        continue
+                    conds.append(bus_log.c.id <= below)
+                if newest is not None:
+                    conds.append(bus_log.c.id < int(newest))
+                removed += int(conn.execute(bus_log.delete().where(*conds)).rowcount)
+        return removed
+
+    def epoch(self) -> str:
+        return EMBEDDED_EPOCH
+
+    def close(self) -> None:
+        """Nothing to close: the engine belongs to the caller."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _ago(self, seconds: float) -> ColumnElement[Any]:
+        """The database clock minus ``seconds``, comparable with the timestamps this bus writes."""
+        seconds = max(seconds, 0.0)
+        if self._dialect == "postgresql":
+            return sa.func.clock_timestamp() - sa.cast(sa.literal(f"{seconds:.6f} seconds"), sa.Interval())
+        return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", f"-{seconds:.3f} seconds")
+
+    def _checked(self, partitions: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        for p in partitions:
+            if not 0 <= p < self.partitions:
+                raise ValueError(f"partition {p} out of range 0..{self.partitions - 1}")
+            if p not in out:
+                out.append(p)
+        return out
+
+
+def _group(name: str) -> str:
+    if not name or any(ch.isspace() for ch in name):
+        raise ValueError(f"invalid consumer group name {name!r}: non-empty, no whitespace")
+    return name
+
+
+def _after(offsets: dict[int, int]) -> ColumnElement[bool]:
+    """Log rows after each partition's offset (an OR per partition; each uses the (partition, id) index)."""
+    return sa.or_(*[sa.and_(bus_log.c.partition == p, bus_log.c.id > off) for p, off in sorted(offsets.items())])
+
+
+def _delivery(entry_id: Any, partition: Any, payload: str, deliveries: int) -> Delivery:
+    try:
+        event: CloudEvent | None = CloudEvent.from_json(payload)
+        error = None
+    except EventFormatError as exc:
+        event, error = None, str(exc)
+    return Delivery(str(entry_id), int(partition), payload, event, deliveries, error)

@@ -1,0 +1,93 @@
+"""Every Redis key, stream and consumer-group name the Redis Streams bus uses, in one place.
+
+Keeping the names here (and nowhere else) means the layout can be read, documented, scanned for
+and changed in one module: the bus, ``uninstall``-style cleanups, the tests and operators'
+``redis-cli`` sessions all agree on it.
+
+Layout, for namespace ``ns`` (default ``pollbridge``) and ``P`` partitions::
+
+    ns:events:{ns:p0} … ns:events:{ns:p<P-1>}   stream   one per partition; entries {id, payload}
+    ns:dead                                      stream   dead letters {group, entry_id, partition,
+                                                          payload, reason}
+    ns:epoch                                     string   the bus epoch token (SET NX); it vanishing
+                                                          is how data loss (FLUSHALL, a restart
+                                                          without persistence) is detected
+
+* **Every key starts with** ``ns:`` so one ``SCAN MATCH ns:*`` finds all of a namespace's keys
+  (several pollbridge installations, or tests, can share one server) and nothing else.
+* **Hash tags.** Redis Cluster places a key by the part between the first ``{`` and ``}``. Each
+  partition stream has its own tag ``{ns:pN}``, so partitions spread over the cluster's slots
+  (one partition's stream lives on exactly one node) while a partition's stream always stays in
+  one slot. The tag includes the namespace so two namespaces' partition 3 do not pile onto the
+  same slot. ``ns:dead`` and ``ns:epoch`` carry no tag: they are touched rarely and alone.
+* **Consumer groups** live inside each partition stream and use the caller's group name as is
+  (a group is named once per stream, so it needs no namespace); :meth:`BusKeys.group` only
+  validates it.
+
+A namespace may hold letters, digits and ``_ - .``; braces (they would break the hash tags), glob
+characters (they would break ``SCAN MATCH``), whitespace and ``:`` (namespace ``a`` would then
+match the keys of namespace ``a:b``) are rejected.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from bridge.exceptions import ConfigError
+
+DEFAULT_NAMESPACE = "pollbridge"
+
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+
+#: Field names of a partition-stream entry.
+FIELD_ID = "id"
+FIELD_PAYLOAD = "payload"
+
+#: Field names of a dead-letter entry.
+DEAD_FIELDS = ("group", "entry_id", "partition", "payload", "reason")
+
+
+@dataclass(frozen=True)
+class BusKeys:
+    """The key names of one namespace. Construct it once; every method is a pure function."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE_RE.fullmatch(self.namespace):
+            raise ConfigError(
+                f"invalid bus namespace {self.namespace!r}: use 1-100 letters, digits, '_', '-' or '.'"
+            )
+
+    def stream(self, partition: int) -> str:
+        """The stream of ``partition``, hash-tagged so each partition maps to its own cluster slot."""
+        if partition < 0:
+            raise ValueError(f"partition must be >= 0, got {partition}")
+        return f"{self.namespace}:events:{{{self.namespace}:p{partition}}}"
+
+    def streams(self, partitions: int) -> list[str]:
+        """The streams of partitions ``0..partitions-1``, in partition order."""
+        return [self.stream(p) for p in range(partitions)]
+
+    @property
+    def dead(self) -> str:
+        """The dead-letter stream (all groups, all partitions)."""
+        return f"{self.namespace}:dead"
+
+    @property
+    def epoch(self) -> str:
+        """The string holding the epoch token; its disappearance means the bus lost its data."""
+        return f"{self.namespace}:epoch"
+
+    @property
+    def pattern(self) -> str:
+        """``SCAN MATCH`` pattern for every key of this namespace (and of no other)."""
+        return f"{self.namespace}:*"
+
+    @staticmethod
+    def group(name: str) -> str:
+        """The consumer-group name used on every partition stream: the caller's name, validated."""
+        if not name or any(ch.isspace() for ch in name):
+            raise ValueError(f"invalid consumer group name {name!r}: non-empty, no whitespace")
+        return name

@@ -1,0 +1,507 @@
+"""The Redis Streams bus: one stream per partition, consumer groups, XAUTOCLAIM, MINID trimming.
+
+Key names come from :mod:`bridge.bus.keys` (the layout is documented there). How each part of the
+contract in :mod:`bridge.bus.abc` maps onto Redis, and why:
+
+* **publish** sends one pipeline (``transaction=False``: the partitions may live on different
+  cluster slots, and a MULTI would buy nothing since publishing twice is allowed) of ``XADD``,
+  one round trip per batch. ``maxlen_approx`` adds ``MAXLEN ~ N``, a memory cap that *can* drop
+  undelivered entries; it is off by default because the contract says trimming never does.
+* **read** honours ``count`` strictly. ``XREADGROUP COUNT n`` over several streams returns up to
+  ``n`` entries *per stream*, and an entry handed out cannot be taken back, so the count is
+  split over the streams (in a rotating order, so no partition starves) and streams that filled
+  their share are asked again for the rest: usually one round trip. When nothing is available a
+  blocking read waits with a plain ``XREAD BLOCK`` from each stream's group position (read with
+  ``XINFO GROUPS``) and then reads through the group again. Waiting with ``XREAD`` instead of a
+  blocking ``XREADGROUP`` keeps the count strict (on Redis 7.2+ a woken ``XREADGROUP`` is re-run
+  over every stream) and loses nothing: anything added after the position was read wakes it.
+  Every single wait is shorter than the client's socket timeout (redis-py's default of 5 s would
+  otherwise turn a long block into a ``TimeoutError``); longer blocks are a loop of such waits.
+* **Vanished data.** After ``FLUSHALL`` or a restart without persistence the streams and groups
+  are gone and ``XREADGROUP`` answers ``NOGROUP``; the bus recreates the group (``MKSTREAM`` at
+  id 0) and carries on, and :meth:`RedisStreamsBus.epoch` returns a new token so the relay knows
+  to republish from its outbox.
+* **claim_stale** uses ``XAUTOCLAIM`` (which increments the delivery count) on the partitions
+  whose ``XPENDING`` summary is not empty, then reads each claimed entry's delivery count with
+  ``XPENDING`` (one pipelined round trip).
+* **trim** uses exact ``XTRIM MINID`` with, per stream, the smallest of: the retention cutoff
+  (server clock), every group's oldest pending entry and every group's first undelivered entry.
+  So it never removes a pending or undelivered entry; a stream without groups is trimmed by age.
+* **Entry ids** are stream ids, unique per partition only: a delivery is identified by
+  ``(partition, entry_id)``.
+* **Malformed entries** (no ``payload`` field, bytes that are not UTF-8, not a CloudEvent) are
+  delivered with ``event=None`` and ``error`` set. The bus's own client does not decode replies
+  (``decode_responses=False``) precisely so one non-UTF-8 entry cannot break every read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import ResponseError
+
+from bridge.bus.abc import DeadLetter, Delivery, EventBus
+from bridge.bus.keys import FIELD_ID, FIELD_PAYLOAD, BusKeys
+from bridge.db import mask_url
+from bridge.events import CloudEvent, EventFormatError
+
+log = logging.getLogger(__name__)
+
+StreamId = tuple[int, int]
+
+#: Page size when the lag has to be counted by hand (``XINFO GROUPS`` did not know it).
+_LAG_PAGE = 1000
+
+
+class RedisStreamsBus(EventBus):
+    """The production bus. Thread-safe as far as redis-py is (one client, a connection pool)."""
+
+    def __init__(
+        self,
+        url_or_client: str | redis.Redis[Any],
+        *,
+        partitions: int = 8,
+        namespace: str = "pollbridge",
+        socket_timeout: float = 30.0,
+        maxlen_approx: int | None = None,
+    ) -> None:
+        """``url_or_client`` is a URL (the bus creates its client with ``socket_timeout`` and closes
+        it in :meth:`close`) or a client (used as it is and left open; its own socket timeout then
+        bounds each blocking wait and ``socket_timeout`` is ignored)."""
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        if maxlen_approx is not None and maxlen_approx < 1:
+            raise ValueError(f"maxlen_approx must be >= 1 or None, got {maxlen_approx}")
+        self.partitions = partitions
+        self.keys = BusKeys(namespace)
+        self._maxlen = maxlen_approx
+        self._rotation = 0
+        client_timeout: float | None
+        if isinstance(url_or_client, str):
+            if socket_timeout <= 0:
+                raise ValueError(f"socket_timeout must be > 0, got {socket_timeout}")
+            self._display = _masked(url_or_client)
+            # decode_responses=False: payloads are decoded here, so a non-UTF-8 entry becomes a
+            # malformed delivery instead of an exception on every read of its stream.
+            self._client: redis.Redis[Any] = redis.Redis.from_url(
+                url_or_client,
+                decode_responses=False,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=min(socket_timeout, 10.0),
+                health_check_interval=30,
+            )
+            self._owned = True
+            client_timeout = socket_timeout
+        else:
+            self._client = url_or_client
+            self._owned = False
+            kwargs = url_or_client.connection_pool.connection_kwargs
+            self._display = f"redis client {kwargs.get('host', kwargs.get('path', '?'))}"
+            raw_timeout = kwargs.get("socket_timeout")
+            client_timeout = float(raw_timeout) if raw_timeout else None
+        # The longest single blocking call: safely below the socket timeout (None: no timeout).
+        self._max_wait = (
+            None if client_timeout is None else max(client_timeout - 1.0, client_timeout / 2)
+        )
+
+    def __repr__(self) -> str:
+        return f"RedisStreamsBus({self._display}, namespace={self.keys.namespace!r}, partitions={self.partitions})"
+
+    @property
+    def client(self) -> redis.Redis[Any]:
+        """The redis-py client (for tools and tests that need to look at the raw streams)."""
+        return self._client
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, events: Sequence[CloudEvent]) -> None:
+        if not events:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for event in events:
+            fields: dict[str | bytes, str | bytes | int | float] = {FIELD_ID: event.id, FIELD_PAYLOAD: event.to_json()}
+            if self._maxlen is None:
+                pipe.xadd(self.keys.stream(self.partition_of(event)), fields)
+            else:
+                pipe.xadd(self.keys.stream(self.partition_of(event)), fields, maxlen=self._maxlen, approximate=True)
+        pipe.execute()
+
+    # ------------------------------------------------------------------ groups
+
+    def ensure_group(self, group: str) -> None:
+        self._create_groups(group, range(self.partitions))
+
+    def _create_groups(self, group: str, partitions: Iterable[int]) -> None:
+        """``XGROUP CREATE ... 0 MKSTREAM`` on each partition; an existing group (BUSYGROUP) is fine."""
+        name = self.keys.group(group)
+        pipe = self._client.pipeline(transaction=False)
+        for p in partitions:
+            pipe.xgroup_create(self.keys.stream(p), name, id="0", mkstream=True)
+        for result in pipe.execute(raise_on_error=False):
+            if isinstance(result, ResponseError) and not str(result).startswith("BUSYGROUP"):
+                raise result
+
+    # ------------------------------------------------------------------ reading
+
+    def read(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float) -> list[Delivery]:
+        parts = self._checked(partitions)
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        name = self.keys.group(group)
+        if not parts:
+            return []
+        deadline = time.monotonic() + max(block, 0.0)
+        while True:
+            got = self._read_available(name, consumer, parts, count)
+            if got:
+                return got
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            wait = remaining if self._max_wait is None else min(remaining, self._max_wait)
+            positions = self._group_positions(name, parts)
+            self._client.xread(positions, count=1, block=max(1, int(wait * 1000)))
+
+    def _read_available(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
+        """Everything undelivered up to ``count``, without blocking; recreates vanished groups once."""
+        out: list[Delivery] = []
+        remaining = count
+        start = self._rotation % len(parts)
+        self._rotation += 1
+        candidates = parts[start:] + parts[:start]
+        recreated = False
+        while remaining > 0 and candidates:
+            asked = candidates[:remaining]
+            base, extra = divmod(remaining, len(asked))
+            shares = [base + (1 if i < extra else 0) for i in range(len(asked))]
+            pipe = self._client.pipeline(transaction=False)
+            for p, share in zip(asked, shares, strict=True):
+                pipe.xreadgroup(group, consumer, {self.keys.stream(p): ">"}, count=share)
+            results = pipe.execute(raise_on_error=False)
+            again: list[int] = []
+            vanished: list[int] = []
+            for p, share, result in zip(asked, shares, results, strict=True):
+                if isinstance(result, ResponseError):
+                    if not _is_nogroup(result) or recreated:
+                        raise result
+                    vanished.append(p)
+                    continue
+                entries = _stream_entries(result)
+                out.extend(_delivery(entry_id, fields, p) for entry_id, fields in entries if fields is not None)
+                remaining -= len(entries)
+                if len(entries) >= share:
+                    again.append(p)  # it filled its share: it may hold more
+            if vanished:
+                log.warning("bus %s: consumer group %r missing on partitions %s (data lost?); recreating it",
+                            self._display, group, vanished)
+                self._create_groups(group, vanished)
+                recreated = True
+            candidates = vanished + again + candidates[len(asked):]
+        return out
+
+    def _group_positions(self, group: str, parts: list[int]) -> dict[Any, Any]:
+        """Per stream, the group's last-delivered id: an ``XREAD`` from there wakes on anything undelivered."""
+        pipe = self._client.pipeline(transaction=False)
+        for p in parts:
+            pipe.xinfo_groups(self.keys.stream(p))
+        positions: dict[Any, Any] = {}
+        for p, result in zip(parts, pipe.execute(raise_on_error=False), strict=True):
+            info = None if isinstance(result, Exception) else _find_group(result, group)
+            positions[self.keys.stream(p)] = "0-0" if info is None else _text(info.get("last-delivered-id", "0-0"))
+        return positions
+
+    # ------------------------------------------------------------------ acknowledging and redelivery
+
+    def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        name = self.keys.group(group)
+        by_partition: dict[int, list[str]] = {}
+        for d in deliveries:
+            by_partition.setdefault(d.partition, []).append(d.entry_id)
+        pipe = self._client.pipeline(transaction=False)
+        for p, ids in by_partition.items():
+            pipe.xack(self.keys.stream(p), name, *ids)
+        for result in pipe.execute(raise_on_error=False):
+            # Acknowledging in a group that vanished with the data is as harmless as acking twice.
+            if isinstance(result, ResponseError) and not _is_nogroup(result):
+                raise result
+
+    def claim_stale(self, group: str, consumer: str, partitions: Sequence[int], min_idle: float,
+                    count: int) -> list[Delivery]:
+        parts = self._checked(partitions)
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        name = self.keys.group(group)
+        min_idle_ms = max(0, int(min_idle * 1000))
+        summaries = self._pending_summaries(name, parts)
+        claimed: list[Delivery] = []
+        for p in parts:
+            if summaries.get(p, 0) == 0:
+                continue
+            cursor: Any = "0-0"
+            while len(claimed) < count:
+                try:
+                    reply = self._client.xautoclaim(self.keys.stream(p), name, consumer, min_idle_ms,
+                                                    start_id=cursor, count=count - len(claimed))
+                except ResponseError as exc:
+                    if _is_nogroup(exc):
+                        break
+                    raise
+                cursor, entries = reply[0], reply[1]
+                # Entries deleted from the stream come back without fields (Redis 6.2) or not at
+                # all (7.x); either way XAUTOCLAIM already dropped them from the pending list.
+                claimed.extend(_delivery(entry_id, fields, p) for entry_id, fields in entries if fields is not None)
+                if _text(cursor) == "0-0":
+                    break
+            if len(claimed) >= count:
+                break
+        return self._with_delivery_counts(name, claimed)
+
+    def _with_delivery_counts(self, group: str, claimed: list[Delivery]) -> list[Delivery]:
+        if not claimed:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for d in claimed:
+            pipe.xpending_range(self.keys.stream(d.partition), group, min=d.entry_id, max=d.entry_id, count=1)
+        out: list[Delivery] = []
+        for d, result in zip(claimed, pipe.execute(raise_on_error=False), strict=True):
+            deliveries = d.deliveries
+            if not isinstance(result, Exception) and result:
+                deliveries = int(result[0].get("times_delivered", deliveries))
+            out.append(Delivery(d.entry_id, d.partition, d.payload, d.event, deliveries, d.error))
+        return out
+
+    def _pending_summaries(self, group: str, parts: Sequence[int]) -> dict[int, int]:
+        pipe = self._client.pipeline(transaction=False)
+        for p in parts:
+            pipe.xpending(self.keys.stream(p), group)
+        counts: dict[int, int] = {}
+        for p, result in zip(parts, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(result, ResponseError):
+                if _is_nogroup(result):
+                    continue
+                raise result
+            counts[p] = int(result["pending"] if isinstance(result, dict) else result[0])
+        return counts
+
+    def pending_count(self, group: str) -> int:
+        return sum(self._pending_summaries(self.keys.group(group), range(self.partitions)).values())
+
+    def lag(self, group: str) -> dict[int, int]:
+        """Per partition, entries not yet delivered to ``group`` (all of them if the group is missing)."""
+        name = self.keys.group(group)
+        pipe = self._client.pipeline(transaction=False)
+        for p in range(self.partitions):
+            pipe.xinfo_groups(self.keys.stream(p))
+            pipe.xlen(self.keys.stream(p))
+        results = pipe.execute(raise_on_error=False)
+        lags: dict[int, int] = {}
+        for p in range(self.partitions):
+            groups, length = results[2 * p], results[2 * p + 1]
+            if isinstance(groups, Exception) or isinstance(length, Exception):
+                lags[p] = 0  # no such stream
+                continue
+            info = _find_group(groups, name)
+            if info is None:
+                lags[p] = int(length)
+            elif info.get("lag") is not None:
+                lags[p] = int(info["lag"])
+            else:
+                # Redis < 7 or a stream with deleted entries past the group: count by hand.
+                lags[p] = self._count_after(self.keys.stream(p), _text(info.get("last-delivered-id", "0-0")))
+        return lags
+
+    def _count_after(self, stream: str, last_id: str) -> int:
+        total, start = 0, f"({last_id}"
+        while True:
+            page = self._client.xrange(stream, min=start, max="+", count=_LAG_PAGE)
+            total += len(page)
+            if len(page) < _LAG_PAGE:
+                return total
+            start = f"({_text(page[-1][0])}"
+
+    # ------------------------------------------------------------------ dead letters
+
+    def dead_letter(self, group: str, delivery: Delivery, reason: str) -> None:
+        name = self.keys.group(group)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xadd(self.keys.dead, {"group": name, "entry_id": delivery.entry_id, "partition": delivery.partition,
+                                   "payload": delivery.payload, "reason": reason})
+        # Only after the dead letter is stored: a crash in between redelivers, never loses.
+        pipe.xack(self.keys.stream(delivery.partition), name, delivery.entry_id)
+        results = pipe.execute(raise_on_error=False)
+        if isinstance(results[0], Exception):
+            raise results[0]
+        if isinstance(results[1], ResponseError) and not _is_nogroup(results[1]):
+            raise results[1]
+
+    def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        if limit < 1:
+            return []
+        out: list[DeadLetter] = []
+        for entry_id, fields in self._client.xrange(self.keys.dead, min="-", max="+", count=limit):
+            f = {_text(k): v for k, v in (fields or {}).items()}
+            try:
+                partition = int(_text(f.get("partition", "-1")))
+            except ValueError:
+                partition = -1
+            out.append(DeadLetter(
+                id=_text(entry_id),
+                group=_text(f.get("group", "")),
+                entry_id=_text(f.get("entry_id", "")),
+                partition=partition,
+                payload=_text(f.get("payload", "")),
+                reason=_text(f.get("reason", "")),
+            ))
+        return out
+
+    def remove_dead_letters(self, ids: Sequence[str]) -> int:
+        if not ids:
+            return 0
+        return int(self._client.xdel(self.keys.dead, *ids))
+
+    # ------------------------------------------------------------------ trimming and loss detection
+
+    def trim(self, retention: float) -> int:
+        sec, usec = self._client.time()
+        cutoff_ms = int(sec) * 1000 + int(usec) // 1000 - int(max(retention, 0.0) * 1000)
+        # MINID removes ids below it: everything published at or before the cutoff millisecond.
+        by_age: StreamId = (cutoff_ms + 1, 0)
+        streams = self.keys.streams(self.partitions)
+        pipe = self._client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        infos = pipe.execute(raise_on_error=False)
+        thresholds: dict[str, StreamId] = {}
+        pending_asks: list[tuple[str, Any]] = []
+        for stream, groups in zip(streams, infos, strict=True):
+            if isinstance(groups, Exception):
+                continue  # no such stream
+            limit = by_age
+            for info in _group_dicts(groups):
+                # Entries after the group's position are undelivered: keep them.
+                ms, seq = _parse_id(info.get("last-delivered-id", "0-0"))
+                limit = min(limit, (ms, seq + 1))
+                if int(info.get("pending", 0) or 0) > 0:
+                    pending_asks.append((stream, info.get("name")))
+            thresholds[stream] = limit
+        if pending_asks:
+            pipe = self._client.pipeline(transaction=False)
+            for stream, group in pending_asks:
+                pipe.xpending(stream, group)
+            for (stream, _), summary in zip(pending_asks, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(summary, Exception):
+                    # The group vanished between the two calls: keep everything this time.
+                    thresholds[stream] = (0, 0)
+                    continue
+                oldest = summary.get("min") if isinstance(summary, dict) else summary[1]
+                if oldest is not None:
+                    thresholds[stream] = min(thresholds[stream], _parse_id(oldest))
+        todo = [(s, t) for s, t in thresholds.items() if t > (0, 1)]
+        if not todo:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for stream, threshold in todo:
+            pipe.xtrim(stream, minid=f"{threshold[0]}-{threshold[1]}", approximate=False)
+        return sum(int(n) for n in pipe.execute())
+
+    def epoch(self) -> str:
+        """The token at ``ns:epoch``, created if missing: a new token means the data was lost."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self.keys.epoch, secrets.token_hex(16), nx=True)
+        pipe.get(self.keys.epoch)
+        _, token = pipe.execute()
+        return _text(token)
+
+    def close(self) -> None:
+        if self._owned:
+            self._client.close()
+            self._client.connection_pool.disconnect()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _checked(self, partitions: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        for p in partitions:
+            if not 0 <= p < self.partitions:
+                raise ValueError(f"partition {p} out of range 0..{self.partitions - 1}")
+            if p not in out:
+                out.append(p)
+        return out
+
+
+def _masked(url: str) -> str:
+    """The URL without its password (in the userinfo or a ``password=`` query parameter)."""
+    return re.sub(r"(?i)(password=)[^&]*", r"\1***", mask_url(url))
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _parse_id(value: Any) -> StreamId:
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _is_nogroup(exc: Exception) -> bool:
+    return str(exc).startswith("NOGROUP")
+
+
+def _group_dicts(groups: Any) -> list[dict[str, Any]]:
+    return [{_text(k): v for k, v in g.items()} for g in groups or []]
+
+
+def _find_group(groups: Any, name: str) -> dict[str, Any] | None:
+    for info in _group_dicts(groups):
+        if _text(info.get("name")) == name:
+            return info
+    return None
+
+
+def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
+    """The ``(id, fields)`` entries of an XREAD/XREADGROUP reply, whatever shape this client gives it.
+
+    redis-py answers ``[[stream, entries]]`` (RESP2 and RESP3 "legacy"), ``{stream: entries}``
+    (unified) or ``{stream: [entries]}`` (RESP3), depending on how the client was built."""
+    if not reply:
+        return []
+    per_stream = list(reply.values()) if isinstance(reply, dict) else [item[1] for item in reply]
+    out: list[tuple[Any, Any]] = []
+    for entries in per_stream:
+        for item in entries or []:
+            if isinstance(item, (list, tuple)) and item and isinstance(item[0], (bytes, str)):
+                out.append((item[0], item[1]))
+            else:  # one more level of nesting
+                out.extend((e[0], e[1]) for e in item)
+    return out
+
+
+def _delivery(entry_id: Any, fields: Any, partition: int) -> Delivery:
+    """A delivery; a malformed entry gets ``event=None`` and says why in ``error``."""
+    f = {_text(k): v for k, v in dict(fields).items()}
+    raw = f.get(FIELD_PAYLOAD)
+    if raw is None:
+        payload = json.dumps({k: _text(v) for k, v in f.items()}, sort_keys=True)
+        return Delivery(_text(entry_id), partition, payload, None, 1, f"entry has no {FIELD_PAYLOAD!r} field")
+    if isinstance(raw, bytes):
+        try:
+            payload = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return Delivery(_text(entry_id), partition, raw.decode("utf-8", "replace"), None, 1,
+                            f"payload is not UTF-8: {exc}")
+    else:
+        payload = str(raw)
+    try:
+        event = CloudEvent.from_json(payload)
+    except EventFormatError as exc:
+        return Delivery(_text(entry_id), partition, payload, None, 1, str(exc))
+    return Delivery(_text(entry_id), partition, payload, event, 1, None)

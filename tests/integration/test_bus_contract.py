@@ -1,0 +1,635 @@
+"""The one event-bus contract suite (see bridge/bus/abc.py), run against every backend.
+
+The ``bus`` fixture is parametrized over the embedded bus on SQLite and on PostgreSQL and the
+Redis Streams bus; every test in the first part runs on all three, so "same semantics" is a
+tested fact, not a claim. Each test fails if the backend breaks the clause it names. Waits are
+deadline-bounded; the only sleeps are the idle times a test is about (``claim_stale``'s
+``min_idle``) and the delay that makes a publish land inside a blocking read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.bus.abc import Delivery, EventBus, partition_for
+from bridge.bus.embedded import EmbeddedBus
+from bridge.bus.keys import BusKeys
+from bridge.bus.redis_streams import RedisStreamsBus
+from bridge.db import create_engine, db_now
+from bridge.events import TASK_STATUS_CHANGED, CloudEvent
+from bridge.exceptions import ConfigError
+from bridge.schema import bus_log
+
+P = 4
+ALL = list(range(P))
+
+
+@pytest.fixture(params=[
+    "embedded-sqlite",
+    pytest.param("embedded-postgresql", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+])
+def bus(request: pytest.FixtureRequest) -> Iterator[EventBus]:
+    if request.param == "redis":
+        url = str(request.getfixturevalue("redis_server"))
+        rbus = RedisStreamsBus(url, partitions=P, namespace=str(request.getfixturevalue("redis_namespace")))
+        yield rbus
+        rbus.close()
+        return
+    fixture = "sqlite_url" if request.param == "embedded-sqlite" else "pg_url"
+    engine = create_engine(str(request.getfixturevalue(fixture)))
+    ebus = EmbeddedBus(engine, partitions=P)
+    yield ebus
+    ebus.close()
+    engine.dispose()
+
+
+@pytest.fixture
+def twin(bus: EventBus, request: pytest.FixtureRequest) -> Iterator[Callable[[], EventBus]]:
+    """Opens more bus objects on the same storage, each with its own connections (like other processes)."""
+    redis_url = str(request.getfixturevalue("redis_server")) if isinstance(bus, RedisStreamsBus) else None
+    made: list[EventBus] = []
+    engines: list[Any] = []
+
+    def make() -> EventBus:
+        other: EventBus
+        if isinstance(bus, RedisStreamsBus):
+            assert redis_url is not None
+            other = RedisStreamsBus(redis_url, partitions=P, namespace=bus.keys.namespace)
+        else:
+            assert isinstance(bus, EmbeddedBus)
+            engine = create_engine(bus.engine.url.render_as_string(hide_password=False))
+            engines.append(engine)
+            other = EmbeddedBus(engine, partitions=P)
+        made.append(other)
+        return other
+
+    yield make
+    for other in made:
+        other.close()
+    for engine in engines:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _event(key: str, n: int, **data: Any) -> CloudEvent:
+    return CloudEvent(id=str(uuid.uuid4()), type=TASK_STATUS_CHANGED, subject=f"task-{n}", partitionkey=key,
+                      time=datetime.now(UTC), data={"n": n, **data}, traceid=uuid.uuid4().hex, depth=n % 3)
+
+
+def _keys_on_distinct_partitions(count: int) -> list[str]:
+    keys: dict[int, str] = {}
+    i = 0
+    while len(keys) < count:
+        keys.setdefault(partition_for(f"inst-{i}", P), f"inst-{i}")
+        i += 1
+    return list(keys.values())
+
+
+def _raw_append(bus: EventBus, partition: int, payload: str | bytes | None, event_id: str = "raw") -> None:
+    """Write an entry straight into the backend's storage, bypassing publish (and its validation and wake-up)."""
+    if isinstance(bus, RedisStreamsBus):
+        fields: dict[str, str | bytes] = {"id": event_id}
+        if payload is not None:
+            fields["payload"] = payload
+        bus.client.xadd(bus.keys.stream(partition), fields)
+        return
+    assert isinstance(bus, EmbeddedBus)
+    text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload or ""
+    with bus.engine.begin() as conn:
+        conn.execute(bus_log.insert().values(partition=partition, event_id=event_id[:36], payload=text,
+                                             created_at=db_now(bus.engine.dialect.name)))
+
+
+def _read_n(bus: EventBus, group: str, consumer: str, n: int, partitions: list[int] = ALL,
+            timeout: float = 10.0) -> list[Delivery]:
+    """Read until ``n`` entries arrived (failing after ``timeout``), then check that no more come."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} entries delivered"
+        got.extend(bus.read(group, consumer, partitions, n - len(got), 0.2))
+    assert len(got) == n
+    return got
+
+
+def _ref(d: Delivery) -> tuple[int, str]:
+    """An entry's identity: entry ids are unique per partition only (a Redis stream id per stream)."""
+    return d.partition, d.entry_id
+
+
+def _total(lag: dict[int, int]) -> int:
+    return sum(lag.values())
+
+
+# ---------------------------------------------------------------------------------------------- the contract
+
+def test_round_trip_preserves_events_and_per_partition_order(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    key = "instance-ordered"
+    mine = [_event(key, i, note="ünïcødé ✓", nested={"list": [1, 2.5, None], "flag": True}) for i in range(25)]
+    others = [_event(f"instance-{i}", i) for i in range(15)]
+    # Two batches, interleaved keys: order must hold per partition key across batches.
+    bus.publish(mine[:10] + others[:8])
+    bus.publish(others[8:] + mine[10:])
+    got = _read_n(bus, "g", "c", 40)
+
+    assert len({_ref(d) for d in got}) == 40  # entry ids are unique per partition (Redis stream ids)
+    for d in got:
+        assert d.event is not None and d.error is None and d.deliveries == 1
+        assert d.partition == partition_for(d.event.partitionkey, P) == bus.partition_of(d.event)
+        assert d.payload == d.event.to_json()
+    by_id = {e.id: e for e in mine + others}
+    assert {d.event.id for d in got if d.event} == set(by_id)
+    assert all(d.event.to_json() == by_id[d.event.id].to_json() for d in got if d.event)
+    assert [d.event.id for d in got if d.event and d.event.partitionkey == key] == [e.id for e in mine]
+
+
+def test_each_entry_is_delivered_once_per_group_and_to_every_group(bus: EventBus) -> None:
+    bus.ensure_group("a")
+    bus.ensure_group("a")  # idempotent
+    bus.ensure_group("b")
+    events = [_event(f"inst-{i % 7}", i) for i in range(20)]
+    bus.publish(events)
+
+    a = _read_n(bus, "a", "a1", 20)
+    assert bus.read("a", "a1", ALL, 100, 0) == []
+    assert bus.read("a", "a2", ALL, 100, 0) == []  # another consumer of the group gets nothing either
+    b = _read_n(bus, "b", "b1", 20)
+    assert {d.event.id for d in a if d.event} == {d.event.id for d in b if d.event} == {e.id for e in events}
+
+    # ``count`` is an upper bound over all partitions together, and nothing is lost by honouring it.
+    first = bus.read("c", "c1", ALL, 3, 0)  # a group that was never ensured starts at the beginning
+    assert len(first) == 3
+    rest = _read_n(bus, "c", "c1", 17)
+    assert len({_ref(d) for d in first + rest}) == 20
+
+    # Reading a subset of the partitions returns only those.
+    only = partition_for("inst-0", P)
+    subset = bus.read("d", "d1", [only], 100, 0)
+    assert subset and {d.partition for d in subset} == {only}
+    assert len(subset) == sum(1 for e in events if partition_for(e.partitionkey, P) == only)
+
+
+def test_consumers_of_one_group_never_receive_the_same_entry(bus: EventBus,
+                                                             twin: Callable[[], EventBus]) -> None:
+    n, consumers = 240, 3
+    bus.ensure_group("g")
+    events = [_event(f"inst-{i % 13}", i) for i in range(n)]
+    bus.publish(events)
+    buses = [twin() for _ in range(consumers)]
+    barrier = threading.Barrier(consumers)
+    lock = threading.Lock()
+    received: list[str] = []
+    errors: list[BaseException] = []
+
+    def consume(name: str, b: EventBus) -> None:
+        try:
+            barrier.wait(10)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                with lock:
+                    if len(received) >= n:
+                        return
+                batch = b.read("g", name, ALL, 7, 0.05)
+                with lock:
+                    received.extend(d.event.id for d in batch if d.event)
+                b.ack("g", batch)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(f"c{i}", b)) for i, b in enumerate(buses)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    duplicates = [k for k, c in Counter(received).items() if c > 1]
+    assert duplicates == []
+    assert set(received) == {e.id for e in events}
+    assert bus.pending_count("g") == 0
+
+
+def test_reading_while_others_publish_loses_nothing(bus: EventBus, twin: Callable[[], EventBus]) -> None:
+    """Entries must become readable in id order per partition: a reader that moved past an id that a
+    slower publisher had not committed yet would never see that entry."""
+    publishers, per_publisher = 6, 40
+    bus.ensure_group("g")
+    buses = [twin() for _ in range(publishers)]
+    published: list[str] = []
+    received: list[str] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def publish(b: EventBus, n: int) -> None:
+        try:
+            for i in range(per_publisher):
+                event = _event("inst-hot", n * 1000 + i)  # one partition, where the race would be
+                b.publish([event])
+                with lock:
+                    published.append(event.id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume() -> None:
+        try:
+            while not done.is_set():
+                batch = bus.read("g", "c", ALL, 50, 0.02)
+                received.extend(d.event.id for d in batch if d.event)
+                bus.ack("g", batch)
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    writers = [threading.Thread(target=publish, args=(b, n)) for n, b in enumerate(buses)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join(30)
+    deadline = time.monotonic() + 10
+    while len(received) < len(published) and time.monotonic() < deadline and not errors:
+        time.sleep(0.02)
+    done.set()
+    reader.join(10)
+    assert not errors, errors
+    assert len(published) == publishers * per_publisher
+    assert sorted(received) == sorted(published)
+    assert _total(bus.lag("g")) == 0
+
+
+def test_unacknowledged_entries_are_redelivered_by_claim_stale_after_min_idle(bus: EventBus) -> None:
+    key_a, key_b = _keys_on_distinct_partitions(2)
+    pa = partition_for(key_a, P)
+    bus.ensure_group("g")
+    bus.publish([_event(key_a, i) for i in range(3)] + [_event(key_b, 9)])
+    first = _read_n(bus, "g", "crashed", 4)
+    on_a = sorted((d for d in first if d.partition == pa), key=lambda d: d.event.id if d.event else "")
+
+    assert bus.claim_stale("g", "rescuer", ALL, 30.0, 10) == []  # not idle long enough yet
+    time.sleep(0.4)  # the idle time under test
+    claimed = bus.claim_stale("g", "rescuer", [pa], 0.3, 10)
+    assert {_ref(d) for d in claimed} == {_ref(d) for d in on_a}  # only the partition asked for
+    assert all(d.deliveries == 2 and d.error is None for d in claimed)
+    assert sorted(d.payload for d in claimed) == sorted(d.payload for d in on_a)
+    assert bus.claim_stale("g", "other", [pa], 0.3, 10) == []  # claiming reset the idle time
+    assert bus.read("g", "crashed", ALL, 10, 0) == []  # read never redelivers
+    assert bus.pending_count("g") == 4
+
+    time.sleep(0.4)
+    again = bus.claim_stale("g", "third", ALL, 0.3, 2)
+    assert len(again) == 2  # count is honoured
+    twice = {_ref(d) for d in claimed}
+    assert all(d.deliveries == (3 if _ref(d) in twice else 2) for d in again)
+    assert bus.pending_count("g") == 4
+
+
+def test_ack_removes_from_pending_and_acking_twice_is_harmless(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    bus.publish([_event(f"inst-{i}", i) for i in range(5)])
+    got = _read_n(bus, "g", "c", 5)
+    assert bus.pending_count("g") == 5
+    bus.ack("g", got[:2])
+    assert bus.pending_count("g") == 3
+    bus.ack("g", got[:2])
+    bus.ack("g", [])
+    assert bus.pending_count("g") == 3
+    bus.ack("g", got)
+    assert bus.pending_count("g") == 0
+    assert bus.claim_stale("g", "other", ALL, 0.0, 10) == []  # acknowledged entries are never redelivered
+    assert bus.pending_count("other-group") == 0
+
+
+@pytest.mark.parametrize("how", ["publish", "raw"])
+def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twin: Callable[[], EventBus],
+                                                              how: str) -> None:
+    """``publish`` from another bus object; ``raw`` writes the storage directly, as another process would."""
+    bus.ensure_group("g")
+    publisher = twin()
+    event = _event("inst-wake", 1)
+    published_at: list[float] = []
+
+    def publish() -> None:
+        if how == "publish":
+            publisher.publish([event])
+        else:
+            _raw_append(publisher, publisher.partition_of(event), event.to_json(), event.id)
+        published_at.append(time.monotonic())
+
+    timer = threading.Timer(0.3, publish)  # lands inside the block below
+    start = time.monotonic()
+    timer.start()
+    got = bus.read("g", "c", ALL, 10, 10.0)
+    returned = time.monotonic()
+    timer.join(10)
+    assert [d.payload for d in got] == [event.to_json()]
+    assert returned - start < 5.0
+    assert returned - published_at[0] < 1.0
+
+
+def test_blocking_read_returns_nothing_after_the_block_when_nothing_comes(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    start = time.monotonic()
+    assert bus.read("g", "c", ALL, 10, 0.5) == []
+    elapsed = time.monotonic() - start
+    assert 0.45 <= elapsed < 3.0
+    start = time.monotonic()
+    assert bus.read("g", "c", ALL, 10, 0) == []  # block 0: no wait at all
+    assert time.monotonic() - start < 1.0
+
+
+def test_malformed_entries_are_delivered_with_an_error(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    bad: list[str | bytes | None] = ["not json {", '{"specversion": "1.0", "id": "x"}', "[1, 2]", ""]
+    if isinstance(bus, RedisStreamsBus):
+        bad += [None, b"\xff\xfe not utf-8"]  # no payload field; bytes that are not UTF-8
+    for i, payload in enumerate(bad):
+        _raw_append(bus, i % P, payload, f"bad-{i}")
+    good = _event("inst-good", 0)
+    bus.publish([good])
+
+    got = _read_n(bus, "g", "c", len(bad) + 1)
+    broken = [d for d in got if d.event is None]
+    assert len(broken) == len(bad)
+    assert all(d.error for d in broken)
+    texts = {p for p in bad if isinstance(p, str)}
+    assert texts <= {d.payload for d in broken}
+    fine = [d for d in got if d.event is not None]
+    assert [d.event.to_json() for d in fine if d.event] == [good.to_json()] and fine[0].error is None
+
+    for d in broken:
+        bus.dead_letter("g", d, d.error or "")
+    assert bus.pending_count("g") == 1
+    assert sorted((dl.partition, dl.entry_id) for dl in bus.dead_letters()) == sorted(_ref(d) for d in broken)
+
+
+def test_dead_letter_round_trip(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    event = _event("inst-dead", 7)
+    bus.publish([event])
+    [d] = _read_n(bus, "g", "c", 1)
+    assert bus.dead_letters() == []
+
+    bus.dead_letter("g", d, "handler exploded: ValueError")
+    assert bus.pending_count("g") == 0  # dead-lettering acknowledges
+    [dl] = bus.dead_letters()
+    assert (dl.group, dl.entry_id, dl.partition, dl.payload, dl.reason) == (
+        "g", d.entry_id, d.partition, event.to_json(), "handler exploded: ValueError")
+    assert CloudEvent.from_json(dl.payload) == event
+
+    bus.publish([_event("inst-dead", 8)])
+    [d2] = _read_n(bus, "g", "c", 1)
+    bus.dead_letter("g", d2, "second")
+    assert [x.reason for x in bus.dead_letters(limit=1)] == ["handler exploded: ValueError"]
+    assert bus.remove_dead_letters([dl.id]) == 1
+    assert [x.reason for x in bus.dead_letters()] == ["second"]
+    assert bus.remove_dead_letters([dl.id]) == 0
+    assert bus.remove_dead_letters([]) == 0
+
+
+def test_trim_removes_only_old_entries_every_group_acknowledged(bus: EventBus) -> None:
+    key = "inst-trim"
+    p = partition_for(key, P)
+    bus.ensure_group("g")
+    bus.ensure_group("slow")
+    events = [_event(key, i) for i in range(6)]
+    bus.publish(events)
+    got = bus.read("g", "c", [p], 4, 0)
+    assert len(got) == 4
+    bus.ack("g", got[:2])  # g: 2 acknowledged, 2 pending, 2 undelivered
+
+    assert bus.trim(3600.0) == 0  # nothing is old enough
+    assert bus.trim(0.0) == 0  # "slow" has read nothing: everything is undelivered to it
+    slow = _read_n(bus, "slow", "s", 6, [p])
+    bus.ack("slow", slow)
+    assert bus.trim(0.0) == 2  # exactly g's two acknowledged entries
+    assert bus.trim(0.0) == 0
+
+    # The pending and undelivered entries survived, intact.
+    claimed = bus.claim_stale("g", "c2", [p], 0.0, 10)
+    assert sorted(d.payload for d in claimed) == sorted(d.payload for d in got[2:])
+    rest = bus.read("g", "c", [p], 10, 0)
+    assert [d.payload for d in rest] == [e.to_json() for e in events[4:]]
+    # A group created now starts at the beginning of what is retained.
+    late = _read_n(bus, "late", "l", 4, [p])
+    assert [d.payload for d in late] == [e.to_json() for e in events[2:]]
+
+
+def test_lag_counts_undelivered_entries(bus: EventBus) -> None:
+    key_a, key_b = _keys_on_distinct_partitions(2)
+    pa, pb = partition_for(key_a, P), partition_for(key_b, P)
+    bus.ensure_group("g")
+    assert bus.lag("g") == dict.fromkeys(ALL, 0)
+    bus.publish([_event(key_a, i) for i in range(5)] + [_event(key_b, i) for i in range(2)])
+    lag = bus.lag("g")
+    assert (lag[pa], lag[pb], _total(lag)) == (5, 2, 7)
+
+    got = bus.read("g", "c", [pa], 3, 0)
+    assert len(got) == 3
+    lag = bus.lag("g")
+    assert (lag[pa], lag[pb], _total(lag)) == (2, 2, 4)
+    bus.ack("g", got)  # acknowledging does not change what is undelivered
+    assert bus.lag("g") == lag
+    _read_n(bus, "g", "c", 4)
+    assert bus.lag("g") == dict.fromkeys(ALL, 0)
+    assert _total(bus.lag("never-created")) == 7  # a new group would get all of them
+
+
+def test_epoch_is_stable_while_the_data_is(bus: EventBus, twin: Callable[[], EventBus]) -> None:
+    first = bus.epoch()
+    assert first and bus.epoch() == first
+    bus.publish([_event("inst-epoch", 1)])
+    assert twin().epoch() == first
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.integers(1, 4), st.integers(0, 5)),  # how many, which instance
+        st.tuples(st.just("read"), st.integers(0, 1), st.integers(1, 6)),  # consumer, count
+        st.tuples(st.just("ack"), st.integers(0, 1), st.integers(1, 6)),  # consumer, how many it holds
+        st.tuples(st.just("claim"), st.integers(0, 1), st.integers(1, 6)),  # consumer, count (min_idle 0)
+    ),
+    max_size=25,
+)
+
+
+def _drain(bus: EventBus, group: str) -> list[Delivery]:
+    """Take over and acknowledge everything pending or undelivered in ``group``."""
+    out: list[Delivery] = []
+    deadline = time.monotonic() + 20
+    while True:
+        assert time.monotonic() < deadline, "drain did not finish"
+        claimed = bus.claim_stale(group, "drain", ALL, 0.0, 1000)
+        fresh = bus.read(group, "drain", ALL, 1000, 0)
+        bus.ack(group, claimed + fresh)
+        out += claimed + fresh
+        if not claimed and not fresh and bus.pending_count(group) == 0:
+            return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_random_operations_deliver_everything_and_never_to_two_consumers(bus: EventBus,
+                                                                         ops: list[tuple[str, int, int]]) -> None:
+    group = f"h-{uuid.uuid4().hex[:8]}"
+    bus.ensure_group(group)
+    _drain(bus, group)  # earlier examples' entries: a new group starts at the beginning of the log
+    owner: dict[tuple[int, str], int] = {}  # pending entry -> the one consumer holding it
+    held: dict[tuple[int, str], Delivery] = {}
+    read_before: set[tuple[int, str]] = set()
+    published: set[str] = set()
+    delivered: set[str] = set()
+
+    for op, a, b in ops:
+        if op == "publish":
+            events = [_event(f"hyp-{b}", i) for i in range(a)]
+            bus.publish(events)
+            published.update(e.id for e in events)
+        elif op == "read":
+            got = bus.read(group, f"c{a}", ALL, b, 0)
+            assert len(got) <= b
+            for d in got:
+                assert _ref(d) not in read_before, "read delivered an entry twice to one group"
+                assert _ref(d) not in owner, "an entry pending for one consumer was read by another"
+                assert d.deliveries == 1
+                read_before.add(_ref(d))
+                owner[_ref(d)], held[_ref(d)] = a, d
+                delivered.add(d.event.id if d.event else d.payload)
+        elif op == "ack":
+            mine = [held[e] for e, c in owner.items() if c == a][:b]
+            bus.ack(group, mine)
+            for d in mine:
+                del owner[_ref(d)], held[_ref(d)]
+        else:
+            expected = min(b, len(owner))
+            got = bus.claim_stale(group, f"c{a}", ALL, 0.0, b)
+            assert len(got) == expected
+            for d in got:
+                assert _ref(d) in owner, "claim_stale handed out an entry that was not pending"
+                assert d.deliveries >= 2
+                owner[_ref(d)], held[_ref(d)] = a, d
+                delivered.add(d.event.id if d.event else d.payload)
+        assert bus.pending_count(group) == len(owner)
+
+    for d in _drain(bus, group):
+        assert _ref(d) not in read_before or _ref(d) in owner, "an acknowledged entry came back"
+        delivered.add(d.event.id if d.event else d.payload)
+    assert published <= delivered
+
+
+# ---------------------------------------------------------------------------------------------- embedded only
+
+def test_embedded_publish_in_the_callers_transaction(db_url: str) -> None:
+    """The outbox relay's case: it holds a write transaction on the same database (on SQLite a second
+    writer would wait for it until the busy timeout), and the log append must commit or roll back with it."""
+    engine = create_engine(db_url)
+    try:
+        bus = EmbeddedBus(engine, partitions=P)
+        bus.ensure_group("g")
+        lost, kept = _event("inst-tx", 1), _event("inst-tx", 2)
+        with engine.connect() as conn:
+            bus.publish_in(conn, [lost])
+            conn.rollback()
+        with engine.begin() as conn:
+            bus.publish_in(conn, [kept])
+        assert [d.payload for d in bus.read("g", "c", ALL, 10, 1.0)] == [kept.to_json()]
+    finally:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------------- Redis only
+
+@pytest.mark.redis
+def test_redis_data_loss_changes_the_epoch_and_read_recreates_the_group(redis_server: str,
+                                                                        redis_namespace: str) -> None:
+    bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace)
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event(f"inst-{i}", i) for i in range(3)])
+        before = _read_n(bus, "g", "c", 3)
+        epoch = bus.epoch()
+        # What FLUSHALL (or a restart without persistence) does to this namespace, without
+        # flushing a shared server: every key of the namespace disappears.
+        keys = list(bus.client.scan_iter(match=bus.keys.pattern, count=1000))
+        assert keys
+        bus.client.delete(*keys)
+
+        assert bus.epoch() != epoch
+        assert bus.epoch() == bus.epoch()
+        assert bus.read("g", "c", ALL, 10, 0.2) == []  # recreated, not NOGROUP
+        bus.ack("g", before)  # acknowledging what vanished is harmless
+        assert bus.pending_count("g") == 0
+        assert bus.claim_stale("g", "c", ALL, 0.0, 10) == []
+        event = _event("inst-after", 1)
+        bus.publish([event])
+        assert [d.payload for d in bus.read("g", "c", ALL, 10, 2.0)] == [event.to_json()]
+
+        bus.client.delete(*bus.client.scan_iter(match=bus.keys.pattern, count=1000))
+        bus.publish([event])  # the stream comes back before the group does
+        assert [d.payload for d in bus.read("g", "c", ALL, 10, 2.0)] == [event.to_json()]
+    finally:
+        bus.close()
+
+
+@pytest.mark.redis
+def test_redis_blocking_read_longer_than_the_socket_timeout(redis_server: str, redis_namespace: str) -> None:
+    bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace, socket_timeout=0.4)
+    try:
+        bus.ensure_group("g")
+        start = time.monotonic()
+        assert bus.read("g", "c", ALL, 10, 1.0) == []  # several waits, each shorter than the timeout
+        assert 0.95 <= time.monotonic() - start < 4.0
+    finally:
+        bus.close()
+
+
+@pytest.mark.redis
+def test_redis_bus_uses_a_client_it_is_given_and_leaves_it_open(redis_server: str, redis_namespace: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_server, decode_responses=True, socket_timeout=10)
+    try:
+        bus = RedisStreamsBus(client, partitions=P, namespace=redis_namespace)
+        event = _event("inst-client", 1)
+        bus.publish([event])
+        [d] = bus.read("g", "c", ALL, 10, 1.0)
+        assert d.event == event
+        bus.close()
+        assert client.ping()
+    finally:
+        client.close()
+
+
+def test_redis_key_layout_is_namespaced_and_hash_tagged_per_partition() -> None:
+    from redis.crc import key_slot
+
+    keys = BusKeys()
+    streams = keys.streams(8)
+    assert streams[3] == "pollbridge:events:{pollbridge:p3}"
+    assert all(k.startswith("pollbridge:") for k in [*streams, keys.dead, keys.epoch])
+    assert len({key_slot(s.encode()) for s in streams}) == 8  # each partition on its own slot
+    for bad in ("", "a b", "x{y}", "ns*", "a:b"):
+        with pytest.raises(ConfigError):
+            BusKeys(bad)
+
+
+def test_redis_url_password_is_never_shown() -> None:
+    for url in ("redis://:s3cret@127.0.0.1:6379/0", "rediss://user:s3cret@127.0.0.1:6380/1",
+                "unix:///tmp/redis.sock?password=s3cret"):
+        bus = RedisStreamsBus(url)  # connects lazily: no server needed
+        try:
+            assert "s3cret" not in repr(bus)
+        finally:
+            bus.close()
