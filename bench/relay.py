@@ -143,7 +143,7 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=5000)
     parser.add_argument("--rate", type=float, default=500)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--wake", default="adaptive", choices=["poll", "notify", "adaptive"])

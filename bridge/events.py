@@ -106,6 +106,27 @@ class CloudEvent:
                    time=when, data=data, source=raw["source"], traceid=traceid, depth=depth)
 
 
+@dataclass(frozen=True)
+class EncodedEvent(CloudEvent):
+    """An event whose JSON was already produced (by the database, for the relay's hot path).
+
+    Only ``id``, ``partitionkey`` and :meth:`to_json` are meaningful; a consumer always re-parses the
+    payload with :meth:`CloudEvent.from_json`, which validates it like any other."""
+
+    encoded: str = ""
+
+    def to_json(self) -> str:
+        return self.encoded
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def encoded_event(event_id: str, partitionkey: str, subject: str, payload: str) -> EncodedEvent:
+    return EncodedEvent(id=event_id, type=TASK_STATUS_CHANGED, subject=subject, partitionkey=partitionkey,
+                        time=_EPOCH, encoded=payload)
+
+
 def _iso(value: datetime) -> str:
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)

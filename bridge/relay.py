@@ -34,7 +34,7 @@ from sqlalchemy.engine import Engine, Row
 from bridge.bus.abc import EventBus
 from bridge.capture import WakeMode
 from bridge.db import db_now, mask_url
-from bridge.events import TASK_STATUS_CHANGED, CloudEvent, EventFormatError
+from bridge.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
 from bridge.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.mapping import StatusValues
 from bridge.relay_metrics import RelayMetrics
@@ -87,6 +87,27 @@ def row_to_event(row: Row[Any], statuses: StatusValues | None) -> CloudEvent:
     )
 
 
+def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
+    """The CloudEvent JSON of an outbox row, built by the database (C speed, off the relay's GIL).
+
+    Equivalent to ``row_to_event(row).to_json()`` up to key order and whitespace; the relay uses it
+    only for rows that pass the same validation ``row_to_event`` does."""
+    o = outbox.c
+    if dialect_name == "postgresql":
+        build = sa.func.json_build_object
+        time = sa.func.to_char(sa.func.timezone("UTC", o.created_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+    else:
+        build = sa.func.json_object
+        time = sa.func.strftime("%Y-%m-%dT%H:%M:%fZ", o.created_at)
+    data = build("task_id", o.task_id, "instance_id", o.instance_id, "workflow_type", o.workflow_type,
+                 "task_key", o.task_key, "old_status", o.old_status, "new_status", o.new_status,
+                 "change", o.change, "version", o.id)
+    envelope = build("specversion", SPECVERSION, "id", o.event_id, "source", SOURCE, "type", TASK_STATUS_CHANGED,
+                     "subject", o.task_id, "time", time, "datacontenttype", "application/json",
+                     "partitionkey", o.instance_id, "depth", 0, "traceid", o.trace_id, "data", data)
+    return sa.cast(envelope, sa.Text).label("payload")
+
+
 class Relay:
     def __init__(
         self,
@@ -112,34 +133,48 @@ class Relay:
         self._epoch: str | None = None
         self._armed = False
         self._labels = {"partition": str(partition)}
+        o = outbox.c
+        batch = (sa.select(o.id)
+                 .where(o.relay_partition == partition, o.published_at.is_(None))
+                 .order_by(o.id).limit(settings.batch_size)
+                 .with_for_update(skip_locked=True))
+        self._claim = (outbox.update()
+                       .where(o.id.in_(batch.scalar_subquery()))
+                       .values(published_at=db_now(engine.dialect.name))
+                       .returning(*outbox.c, event_payload_sql(engine.dialect.name)))
+        self._valid_statuses = frozenset(
+            getattr(statuses, n) for n in ("pending", "dispatched", "running", "completed", "failed")
+        ) if statuses is not None else None
         ensure_state_row(engine, partition)
 
     # --- one batch ----------------------------------------------------------------------------------
     def publish_batch(self) -> int:
         """Publish up to one batch; return the number of outbox rows handled (published or dead-lettered)."""
-        o = outbox.c
-        query = (sa.select(outbox)
-                 .where(o.relay_partition == self.partition, o.published_at.is_(None))
-                 .order_by(o.id).limit(self.settings.batch_size)
-                 .with_for_update(skip_locked=True))
         with self.engine.begin() as conn:
-            rows = conn.execute(query).all()
+            # Claim and mark in one statement; if publishing fails the transaction rolls back and
+            # the rows are unpublished again.
+            rows = conn.execute(self._claim).all()
             if not rows:
                 return 0
             events: list[CloudEvent] = []
             good: list[Row[Any]] = []
             dead: list[tuple[Row[Any], str]] = []
+            valid = self._valid_statuses
             for row in rows:
-                try:
-                    events.append(row_to_event(row, self.statuses))
+                if (row.task_id and row.instance_id and row.task_key and row.change in CHANGES
+                        and (valid is None or (row.new_status in valid
+                                               and (row.old_status is None or row.old_status in valid)))):
+                    events.append(encoded_event(row.event_id, row.instance_id, row.task_id, row.payload))
                     good.append(row)
+                    continue
+                try:  # the slow path says exactly what is wrong
+                    row_to_event(row, self.statuses)
+                    raise EventFormatError(f"outbox row {row.id}: not publishable")
                 except EventFormatError as exc:
                     dead.append((row, str(exc)))
             if events:
                 self.bus.publish_in(conn, events)
-            now = db_now(self.engine.dialect.name)
-            if good:
-                conn.execute(outbox.update().where(o.id.in_([r.id for r in good])).values(published_at=now))
+            o = outbox.c
             if dead:
                 conn.execute(outbox_dead.insert(), [
                     {"outbox_id": r.id, "reason": reason, "payload": _row_json(r),
@@ -149,13 +184,15 @@ class Relay:
         return len(rows)
 
     def _record(self, published: Sequence[Row[Any]], dead: int) -> None:
-        now = datetime.now(UTC)
         self.metrics.published.inc(len(published))
         self.metrics.batch_size.observe(len(published) + dead)
-        for row in published:
-            created = as_utc(row.created_at)
+        if published:
+            # One observation per batch, of its oldest row: the batch's worst case, at a cost that does
+            # not grow with the batch.
+            stamps = [t for t in (as_utc(r.created_at) for r in published) if t is not None]
+            created = min(stamps, default=None)
             if created is not None:
-                self.metrics.publish_latency.observe(max(0.0, (now - created).total_seconds()))
+                self.metrics.publish_latency.observe(max(0.0, (datetime.now(UTC) - created).total_seconds()))
         if dead:
             self.metrics.dead_letters.inc(dead)
             log.warning("relay set aside %d malformed outbox row(s) in pollbridge_outbox_dead", dead)
@@ -309,8 +346,8 @@ class Relay:
 
 
 def _row_json(row: Row[Any]) -> str:
-    return json.dumps({k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row._mapping.items()},
-                      default=str)
+    return json.dumps({k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row._mapping.items()
+                       if k != "payload"}, default=str)
 
 
 def _masked(text: str, engine: Engine) -> str:

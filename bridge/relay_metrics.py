@@ -18,7 +18,8 @@ class RelayMetrics:
                                     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
         self.publish_latency = Histogram(
             "pollbridge_relay_publish_latency_seconds",
-            "Outbox row creation (database clock) to bus acknowledgement", registry=registry,
+            "Outbox row creation (database clock) to bus acknowledgement, per batch (its oldest row)",
+            registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.bus_resets = Counter("pollbridge_relay_bus_resets", "Times the bus was found to have lost data",
                                   registry=registry)

@@ -111,7 +111,7 @@ class CaptureSettings:
 
 @dataclass(frozen=True)
 class RelaySettings:
-    batch_size: int = 500
+    batch_size: int = 5000
     poll_interval: float = 0.002
     arm_after: float = 0.2
     fallback_interval: float = 1.0

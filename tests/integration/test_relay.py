@@ -251,3 +251,20 @@ def test_purge_keeps_the_retention_window(env: Env) -> None:
     assert relay.purge() == 3
     with env.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar() == 1
+
+
+def test_database_built_payload_equals_the_python_event(env: Env) -> None:
+    """The relay's hot path lets the database write the JSON; it must parse to the very same event."""
+    from bridge.events import CloudEvent
+    from bridge.relay import event_payload_sql, row_to_event
+
+    add_tasks(env, "eq", 2)
+    with env.engine.begin() as conn:
+        conn.execute(env.tables.tasks.update().where(env.tables.tasks.c.task_key == "k1").values(status="queued"))
+        rows = conn.execute(sa.select(outbox, event_payload_sql(env.engine.dialect.name))).all()
+    assert len(rows) == 3
+    for row in rows:
+        expected = row_to_event(row, env.tables.mapping.statuses)
+        parsed = CloudEvent.from_json(row.payload)
+        assert parsed == expected
+        assert parsed.time.tzinfo is not None and abs((parsed.time - expected.time).total_seconds()) < 1e-3
