@@ -88,12 +88,11 @@ class BusSettings:
     def __post_init__(self) -> None:
         _positive(self.partitions, "bus.partitions", integer=True)
         _positive(self.visibility_timeout, "bus.visibility_timeout")
-        from bridge.identifiers import validate_identifier
+        from bridge.bus.keys import BusKeys
 
-        try:
-            validate_identifier(self.namespace, "bus.namespace")
-        except ConfigError as exc:
-            raise ConfigError(str(exc)) from None
+        if not isinstance(self.namespace, str):
+            raise ConfigError(f"bus.namespace must be a string, got {self.namespace!r}")
+        BusKeys(self.namespace)  # the one place that knows which namespaces keep Redis keys safe
 
 
 @dataclass(frozen=True)

@@ -222,13 +222,13 @@ def poller_run(ctx: click.Context, interval: float | None) -> None:
     from legacy_poller.runner import PollerRunner
 
     settings = settings_of(ctx)
+    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     engine = create_engine(settings.database_url)
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
         poller_ = LegacyPoller(engine, tables, batch_size=settings.poller.batch_size)
         every = interval or settings.poller.interval
-        stop = _stop_on_signals()
         click.echo(f"poller scanning {settings.mapping.table} every {every} s on "
                    f"{mask_url(settings.database_url)}", err=True)
         PollerRunner(poller_, every).run_until(stop)
@@ -258,6 +258,7 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
     from bridge.relay import Relay
 
     settings = settings_of(ctx)
+    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     engine = create_engine(settings.database_url)
     bus = None
     try:
@@ -269,7 +270,6 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
         relay_ = Relay(engine, bus, settings.relay, statuses=settings.mapping.statuses, partition=partition,
                        wake=settings.capture.wake, registry=registry)  # type: ignore[arg-type]
-        stop = _stop_on_signals()
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
         relay_.run(stop)
@@ -298,13 +298,13 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
     from legacy_poller.workers import WorkerPool
 
     settings = settings_of(ctx)
+    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     worker_settings = replace(settings.workers, concurrency=concurrency) if concurrency else settings.workers
     engine = create_engine(settings.database_url, pool_size=worker_settings.concurrency + 1)
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
         pool = WorkerPool(engine, tables, worker_settings)
-        stop = _stop_on_signals()
         click.echo(f"{worker_settings.concurrency} workers on {mask_url(settings.database_url)}", err=True)
         pool.start()
         stop.wait()
