@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 
 from bridge import migrate
 from bridge.db import check_connection, mask_url
+from bridge.capture import capture_status
 from bridge.exceptions import PollbridgeError
 from bridge.settings import Settings
 from bridge.tasktable import TaskTable, reflect_tables
@@ -53,8 +54,34 @@ def run_checks(engine: Engine, settings: Settings) -> list[Check]:
 
     checks.append(_check(_migrations, engine))
     if tables is not None:
+        checks.append(_check(_capture, engine, tables))
         checks.append(_check(_dags, engine, tables))
+    checks.append(_check(_bus, engine, settings))
     return checks
+
+
+def _capture(engine: Engine, tables: TaskTable) -> Check:
+    with engine.connect() as conn:
+        ok, detail = capture_status(conn, tables)
+    return Check("capture", ok, detail)
+
+
+def _bus(engine: Engine, settings: Settings) -> Check:
+    from bridge.bus import open_bus
+
+    try:
+        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
+                       namespace=settings.bus.namespace)
+        try:
+            bus.epoch()
+        finally:
+            bus.close()
+    except PollbridgeError:
+        raise
+    except Exception as exc:  # any client error: report it, masked, as a failed check
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Check("bus", False, f"cannot reach the bus {mask_url(settings.bus_url)}: {mask_url(reason)}")
+    return Check("bus", True, f"{mask_url(settings.bus_url)} reachable ({settings.bus.partitions} partitions)")
 
 
 def _check(fn: Callable[..., Check], *args: Any) -> Check:

@@ -51,7 +51,7 @@ def test_init_then_doctor_pass(pollbridge: Run, empty_db_url: str) -> None:
     assert again.returncode == 0 and "already at" in again.stdout
     doctor = pollbridge("--database-url", empty_db_url, "doctor")
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    assert doctor.stdout.count("[ok]") == 4
+    assert doctor.stdout.count("[ok]") == 6
 
 
 def test_doctor_fails_before_init(pollbridge: Run, empty_db_url: str) -> None:

@@ -18,7 +18,7 @@ def _by_name(engine: Engine, settings: Settings) -> dict[str, tuple[bool, str]]:
 
 def test_all_checks_pass_on_a_fresh_installation(engine: Engine) -> None:
     checks = _by_name(engine, Settings())
-    assert set(checks) == {"database", "mapping", "migrations", "dags"}
+    assert set(checks) == {"database", "mapping", "migrations", "capture", "dags", "bus"}
     assert all(ok for ok, _ in checks.values()), checks
 
 
@@ -69,3 +69,16 @@ def test_unreachable_database_masks_password() -> None:
 
 def test_head_revision_matches_installed(engine: Engine) -> None:
     assert migrate.current_revision(engine) == migrate.head_revision()
+
+
+def test_capture_missing_and_bus_unreachable_are_reported(engine: Engine) -> None:
+    from bridge import capture
+
+    with engine.begin() as conn:
+        capture.remove_capture(conn)
+    settings = Settings(bus_url="redis://:topsecret@127.0.0.1:1/0")
+    checks = _by_name(engine, settings)
+    ok, detail = checks["capture"]
+    assert not ok and "pollbridge init" in detail
+    ok, detail = checks["bus"]
+    assert not ok and "topsecret" not in detail and "127.0.0.1:1" in detail
