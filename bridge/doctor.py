@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from bridge import migrate
-from bridge.db import check_connection, mask_url
 from bridge.capture import capture_status
+from bridge.db import check_connection, mask_url
 from bridge.exceptions import PollbridgeError
 from bridge.settings import Settings
 from bridge.tasktable import TaskTable, reflect_tables

@@ -186,8 +186,39 @@ class RedisStreamsBus(EventBus):
             if remaining <= 0:
                 return []
             wait = remaining if self._max_wait is None else min(remaining, self._max_wait)
-            positions = self._group_positions(name, parts)
-            self._client.xread(positions, count=1, block=max(1, int(wait * 1000)))
+            if count >= len(parts):
+                got = self._read_blocking(name, consumer, parts, count, wait)
+                if got:
+                    return got
+            else:  # a per-stream COUNT could exceed ``count``: wait first, then read through the group
+                positions = self._group_positions(name, parts)
+                self._client.xread(positions, count=1, block=max(1, int(wait * 1000)))
+
+    def _read_blocking(self, group: str, consumer: str, parts: list[int], count: int, wait: float) -> list[Delivery]:
+        """One ``XREADGROUP BLOCK`` over all the partitions: the wake-up and the read in one round trip.
+
+        ``COUNT`` applies per stream, so each stream is asked for ``count // len(parts)``: the total stays
+        within ``count`` (the caller uses this path only when ``count >= len(parts)``)."""
+        streams = {self.keys.stream(p): ">" for p in parts}
+        by_stream = {self.keys.stream(p).encode(): p for p in parts}
+        try:
+            reply = self._client.xreadgroup(group, consumer, streams, count=max(1, count // len(parts)),
+                                            block=max(1, int(wait * 1000)))
+        except ResponseError as exc:
+            if not _is_nogroup(exc):
+                raise
+            self._create_groups(group, parts)
+            return []
+        out: list[Delivery] = []
+        items = reply.items() if isinstance(reply, dict) else (reply or [])
+        for item in items:
+            stream, entries = item[0], item[1]
+            key = stream if isinstance(stream, bytes) else str(stream).encode()
+            partition = by_stream[key]
+            for entry_id, fields in _stream_entries([[stream, entries]]):
+                if fields is not None:
+                    out.append(_delivery(entry_id, fields, partition))
+        return out
 
     def _read_available(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
         """Everything undelivered up to ``count``, without blocking; recreates vanished groups once."""
