@@ -137,3 +137,51 @@ bus_dead = sa.Table(
     sa.Column("reason", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
 )
+
+#: Decisions the event path made in shadow mode (``dual_write``): what it would have dispatched, when.
+decisions = sa.Table(
+    "pollbridge_decisions",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("task_id", sa.String(200), nullable=False),
+    sa.Column("instance_id", sa.String(200), nullable=False),
+    sa.Column("workflow_type", sa.String(200), nullable=True),
+    sa.Column("task_key", sa.String(200), nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=True),
+    sa.Column("ready_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("decided_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("trace_id", sa.String(64), nullable=True),
+    sa.Index("pollbridge_decisions_task_attempt_key", "task_id", "attempt", unique=True),
+    sa.Index("pollbridge_decisions_type_time_idx", "workflow_type", "decided_at"),
+)
+
+#: Which scheduler process consumes which bus partition (one at a time, so one instance's events are
+#: handled in order), with a lease that another process takes over when it expires.
+scheduler_leases = sa.Table(
+    "pollbridge_scheduler_leases",
+    metadata,
+    sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("holder", sa.String(200), nullable=True),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
+)
+
+#: Live scheduler processes (heartbeat), so each can compute its fair share of the partitions.
+scheduler_members = sa.Table(
+    "pollbridge_scheduler_members",
+    metadata,
+    sa.Column("holder", sa.String(200), primary_key=True),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+#: Every external callback, approval or rejection recorded through ``pollbridge signal`` (audit and explain).
+signals = sa.Table(
+    "pollbridge_signals",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("task_id", sa.String(200), nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("payload", sa.Text, nullable=True),
+    sa.Column("actor", sa.String(200), nullable=True),
+    sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("pollbridge_signals_task_idx", "task_id"),
+)

@@ -129,6 +129,62 @@ class RelaySettings:
 
 
 @dataclass(frozen=True)
+class TypeSettings:
+    """Per-workflow-type behaviour of the event scheduler (``[scheduler.defaults]``, ``[scheduler.types.T]``)."""
+
+    retry_base: float = 1.0          # first retry after about this many seconds
+    retry_max: float = 300.0         # backoff cap
+    retry_jitter: float = 0.5        # +/- this fraction of the delay, so retries do not stampede
+    running_timeout: float = 0.0     # a task running longer is failed; 0 = no timeout
+    rate: float = 0.0                # dispatches per second (token bucket); 0 = unlimited
+    burst: int = 100                 # token bucket size
+    max_in_flight: int = 0           # dispatched + running tasks of the type; 0 = unlimited
+
+    def __post_init__(self) -> None:
+        for name in ("retry_base", "retry_max"):
+            _positive(getattr(self, name), f"scheduler.{name}")
+        for name in ("retry_jitter", "running_timeout", "rate"):
+            _non_negative(getattr(self, name), f"scheduler.{name}")
+        if self.retry_jitter > 1:
+            raise ConfigError(f"scheduler.retry_jitter must be between 0 and 1, got {self.retry_jitter!r}")
+        _positive(self.burst, "scheduler.burst", integer=True)
+        if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or self.max_in_flight < 0:
+            raise ConfigError(f"scheduler.max_in_flight must be an integer >= 0, got {self.max_in_flight!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    group: str = "pollbridge-scheduler"
+    batch_size: int = 500
+    block: float = 0.5
+    lease_ttl: float = 10.0
+    max_deliveries: int = 5
+    max_depth: int = 10_000
+    claim_interval: float = 5.0
+    #: Until the flag router decides per type, the phase the event path assumes for every type.
+    phase: str = "cutover"
+    defaults: TypeSettings = field(default_factory=TypeSettings)
+    types: tuple[tuple[str, TypeSettings], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_deliveries", "max_depth"):
+            _positive(getattr(self, name), f"scheduler.{name}", integer=True)
+        for name in ("block", "lease_ttl", "claim_interval"):
+            _positive(getattr(self, name), f"scheduler.{name}")
+        from bridge.routing import PHASES
+
+        if self.phase not in PHASES:
+            raise ConfigError(f"scheduler.phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
+        _string(self.group, "scheduler.group")
+
+    def for_type(self, workflow_type: str | None) -> TypeSettings:
+        for name, settings in self.types:
+            if name == workflow_type:
+                return settings
+        return self.defaults
+
+
+@dataclass(frozen=True)
 class Settings:
     database_url: str = DEFAULT_DATABASE_URL
     bus_url: str = DEFAULT_BUS_URL
@@ -138,6 +194,7 @@ class Settings:
     bus: BusSettings = field(default_factory=BusSettings)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     config_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -191,7 +248,7 @@ def load_settings(
 
 def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
-    known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay"}
+    known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay", "scheduler"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(unknown)}; "
@@ -200,6 +257,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout"})
     capture = _table(raw, "capture", {"wake", "relay_partitions"})
     relay = _table(raw, "relay", {f.name for f in fields(RelaySettings)})
+    scheduler = _scheduler_settings(raw)
     poller = _table(raw, "poller", {"interval", "batch_size"})
     workers = _table(raw, "workers", {"concurrency", "min_duration", "max_duration", "failure_rate",
                                       "idle_sleep"})
@@ -213,12 +271,31 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
             bus=BusSettings(**bus),
             capture=CaptureSettings(**capture),
             relay=RelaySettings(**relay),
+            scheduler=scheduler,
             poller=PollerSettings(**poller),
             workers=WorkerSettings(**workers),
             mapping=TaskTableMapping.from_dict(mapping_raw),
         )
     except (TypeError, ValueError) as exc:  # a wrongly typed value reaching a dataclass
         raise ConfigError(f"invalid configuration value: {exc}") from None
+
+
+def _scheduler_settings(raw: Mapping[str, Any]) -> SchedulerSettings:
+    type_keys = {f.name for f in fields(TypeSettings)}
+    section = _table(raw, "scheduler", {f.name for f in fields(SchedulerSettings)})
+    try:
+        defaults = TypeSettings(**_table(section, "defaults", type_keys)) if "defaults" in section else TypeSettings()
+        types_raw = section.pop("types", {})
+        if not isinstance(types_raw, Mapping):
+            raise ConfigError("[scheduler.types] must be a table of workflow types")
+        types = tuple(
+            (str(name), replace(defaults, **_table(types_raw, str(name), type_keys)))
+            for name in sorted(types_raw)
+        )
+        section.pop("defaults", None)
+        return SchedulerSettings(**section, defaults=defaults, types=types)
+    except TypeError as exc:
+        raise ConfigError(f"invalid [scheduler] value: {exc}") from None
 
 
 def _table(raw: Mapping[str, Any], name: str, allowed: set[str]) -> dict[str, Any]:

@@ -250,7 +250,7 @@ def test_mapping_errors_from_file_are_config_errors(tmp_path: Path) -> None:
     ("raw", "word"),
     [
         ({"databse": {"url": "x"}}, "databse"),
-        ({"scheduler": {}}, "scheduler"),
+        ({"schedular": {}}, "schedular"),
         ({"database": {"uri": "sqlite://"}}, "uri"),
         ({"bus": {"host": "x"}}, "host"),
         ({"poller": {"intervall": 1}}, "intervall"),
