@@ -282,6 +282,180 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
 
 
 @cli.group()
+def scheduler() -> None:
+    """The event-driven scheduler."""
+
+
+@scheduler.command("run")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="POLLBRIDGE_METRICS_PORT",
+              show_envvar=True, help="Also serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--phase", type=click.Choice(["polling", "dual_write", "selective", "cutover"]), default=None,
+              envvar="POLLBRIDGE_SCHEDULER_PHASE", show_envvar=True,
+              help="Phase assumed for every workflow type [default from config: cutover].")
+@click.pass_context
+def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | None) -> None:
+    """Consume task events and dispatch ready tasks, until SIGTERM or Ctrl-C."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from bridge.bus import open_bus
+    from bridge.routing import FixedRouter
+    from bridge.tasktable import reflect_tables
+    from event_scheduler.scheduler import EventScheduler
+
+    settings = settings_of(ctx)
+    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = create_engine(settings.database_url)
+    bus = None
+    try:
+        check_connection(engine)
+        tables = reflect_tables(engine, settings.mapping)
+        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
+                       namespace=settings.bus.namespace)
+        registry = CollectorRegistry()
+        if metrics_port is not None:
+            start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+        router = FixedRouter(phase or settings.scheduler.phase)  # type: ignore[arg-type]
+        sched = EventScheduler(engine, tables, bus, settings.scheduler, router,
+                               visibility_timeout=settings.bus.visibility_timeout, registry=registry)
+        click.echo(f"scheduler {sched.holder} on {mask_url(settings.database_url)} <- {mask_url(settings.bus_url)}, "
+                   f"phase {router.phase}", err=True)
+        sched.run(stop)
+        dispatched = sum(s.value for m in registry.collect() if m.name == "pollbridge_scheduler_dispatches"
+                         for s in m.samples if s.name.endswith("_total"))
+        click.echo(f"scheduler stopped: {int(dispatched)} dispatched", err=True)
+    finally:
+        if bus is not None:
+            bus.close()
+        engine.dispose()
+
+
+@cli.command("signal")
+@click.argument("task_id")
+@click.option("--kind", type=click.Choice(["callback", "approval", "rejection"]), required=True,
+              envvar="POLLBRIDGE_SIGNAL_KIND", show_envvar=True, help="What arrived for the task.")
+@click.option("--payload", default=None, envvar="POLLBRIDGE_SIGNAL_PAYLOAD", show_envvar=True,
+              help="JSON payload to record with the signal.")
+@click.option("--actor", default=None, envvar="POLLBRIDGE_ACTOR", show_envvar=True,
+              help="Who sends it [default: the operating-system user].")
+@click.pass_context
+def signal_(ctx: click.Context, task_id: str, kind: str, payload: str | None, actor: str | None) -> None:
+    """Record an external callback, approval or rejection for TASK_ID."""
+    from bridge.tasktable import reflect_tables
+    from event_scheduler.signals import record_signal
+
+    settings = settings_of(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        check_connection(engine)
+        tables = reflect_tables(engine, settings.mapping)
+        result = record_signal(engine, tables, task_id, kind, payload=payload, actor=actor)
+    finally:
+        engine.dispose()
+    click.echo(f"task {result.task_id}: {result.kind} recorded (status {result.new_status})")
+
+
+
+@cli.group()
+def dlq() -> None:
+    """Dead letters of the event path: list, replay after a fix, purge."""
+
+
+def _open_bus_of(ctx: click.Context) -> tuple[Any, Any]:
+    from bridge.bus import open_bus
+
+    settings = settings_of(ctx)
+    engine = create_engine(settings.database_url)
+    check_connection(engine)
+    return engine, open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
+                            namespace=settings.bus.namespace)
+
+
+@dlq.command("list")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, envvar="POLLBRIDGE_DLQ_LIMIT",
+              show_envvar=True, help="Most entries to show.")
+@click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
+              help="Machine-readable output.")
+@click.pass_context
+def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """List dead letters with their reasons."""
+    engine, bus = _open_bus_of(ctx)
+    try:
+        letters = bus.dead_letters(limit)
+    finally:
+        bus.close()
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
+        return
+    table = Table(title=f"{len(letters)} dead letter(s)")
+    for column in ("id", "group", "partition", "reason", "payload"):
+        table.add_column(column)
+    for letter in letters:
+        table.add_row(letter.id, letter.group, str(letter.partition), letter.reason, letter.payload[:60])
+    Console().print(table)
+
+
+@dlq.command("replay")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "replay_all", is_flag=True, envvar="POLLBRIDGE_DLQ_ALL", show_envvar=True,
+              help="Replay every dead letter.")
+@click.pass_context
+def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> None:
+    """Publish dead letters to the bus again (after the cause was fixed) and remove them from the store."""
+    from bridge.events import CloudEvent, EventFormatError
+
+    if not ids and not replay_all:
+        raise click.UsageError("name the dead letters to replay (ids from `pollbridge dlq list`) or use --all")
+    engine, bus = _open_bus_of(ctx)
+    try:
+        letters = {letter.id: letter for letter in bus.dead_letters(100_000)}
+        chosen = list(letters) if replay_all else list(ids)
+        unknown = [i for i in chosen if i not in letters]
+        if unknown:
+            fail(f"no dead letter with id {', '.join(unknown)}; see `pollbridge dlq list`", 2)
+        events, bad = [], []
+        for i in chosen:
+            try:
+                events.append(CloudEvent.from_json(letters[i].payload))
+            except EventFormatError as exc:
+                bad.append(f"{i}: {exc}")
+        if bad:
+            fail("cannot replay entries that are still malformed (purge them instead): " + "; ".join(bad), 1)
+        bus.publish(events)
+        bus.remove_dead_letters(chosen)
+    finally:
+        bus.close()
+        engine.dispose()
+    click.echo(f"replayed {len(chosen)} dead letter(s)")
+
+
+@dlq.command("purge")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "purge_all", is_flag=True, envvar="POLLBRIDGE_DLQ_ALL", show_envvar=True,
+              help="Purge every dead letter.")
+@click.option("--yes", is_flag=True, envvar="POLLBRIDGE_YES", show_envvar=True, help="Do not ask for confirmation.")
+@click.pass_context
+def dlq_purge(ctx: click.Context, ids: tuple[str, ...], purge_all: bool, yes: bool) -> None:
+    """Delete dead letters for good."""
+    if not ids and not purge_all:
+        raise click.UsageError("name the dead letters to purge or use --all")
+    engine, bus = _open_bus_of(ctx)
+    try:
+        letters = {letter.id for letter in bus.dead_letters(100_000)}
+        chosen = sorted(letters) if purge_all else list(ids)
+        unknown = [i for i in chosen if i not in letters]
+        if unknown:
+            fail(f"no dead letter with id {', '.join(unknown)}; see `pollbridge dlq list`", 2)
+        if not yes and not click.confirm(f"Delete {len(chosen)} dead letter(s) for good?"):
+            fail("aborted: nothing purged", 1)
+        removed = bus.remove_dead_letters(chosen)
+    finally:
+        bus.close()
+        engine.dispose()
+    click.echo(f"purged {removed} dead letter(s)")
+
+
+@cli.group()
 def workers() -> None:
     """The demo worker pool."""
 

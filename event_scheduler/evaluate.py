@@ -1,0 +1,219 @@
+"""Evaluating instances: from "something changed in these instances" to dispatches, decisions and timers.
+
+The database is the source of truth: an event only says *where to look*. One query reads the
+non-terminal tasks of a batch of instances with their readiness computed by the shared readiness
+SQL, so a stale, duplicated or reordered event can never cause a wrong dispatch, and the work is
+proportional to the instances touched, never to the task table. Then, per task:
+
+* ready → dispatch through the shared compare-and-set (route ``dispatch``), or record a shadow
+  decision (route ``shadow``), or nothing (route ``off``);
+* pending with a future due time → a ``due`` timer for the instance;
+* failed with attempts left → a ``retry`` timer after an exponential backoff with jitter;
+* running with a timeout for its type → a ``timeout`` timer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from bridge.db import db_now
+from bridge.dispatch import ReadyTask, dispatch
+from bridge.readiness import ready_predicate, ready_since
+from bridge.routing import EventRouter
+from bridge.schema import decisions
+from bridge.settings import SchedulerSettings, TypeSettings
+from bridge.tasktable import TaskTable
+from bridge.verify import as_utc
+from event_scheduler.metrics import SchedulerMetrics
+
+TimerSpec = tuple[datetime, str, str, tuple[object, ...]]
+
+
+@dataclass
+class Evaluation:
+    dispatched: list[ReadyTask] = field(default_factory=list)
+    decided: list[ReadyTask] = field(default_factory=list)
+    held_back: list[ReadyTask] = field(default_factory=list)
+    timers: list[TimerSpec] = field(default_factory=list)
+    unknown_instances: set[str] = field(default_factory=set)
+
+
+def backoff_delay(settings: TypeSettings, task_id: object, attempts: int) -> float:
+    """Exponential backoff with jitter, deterministic per (task, attempt) so re-evaluation agrees."""
+    base = min(settings.retry_max, settings.retry_base * (2 ** max(attempts - 1, 0)))
+    jitter = random.Random(f"{task_id}:{attempts}").uniform(-settings.retry_jitter, settings.retry_jitter)
+    return float(max(0.0, base * (1 + jitter)))
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self.tokens = float(burst)
+        self.updated = time.monotonic()
+
+    def take(self) -> float:
+        """0 if a token was taken, else the seconds until one is available."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class Evaluator:
+    def __init__(self, engine: Engine, tables: TaskTable, router: EventRouter, settings: SchedulerSettings,
+                 metrics: SchedulerMetrics) -> None:
+        self.engine = engine
+        self.tables = tables
+        self.router = router
+        self.settings = settings
+        self.metrics = metrics
+        self._buckets: dict[str | None, TokenBucket] = {}
+        tt = tables
+        t = tt.tasks
+        st = tt.statuses
+        src, workflow_type = tt.workflow_type_source(t)
+        optional = [tt.col(c).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at") if tt.has(c)]
+        self._query = (
+            sa.select(
+                tt.col("id").label("task_id"), tt.col("instance_id").label("instance_id"),
+                tt.col("task_key").label("task_key"), tt.col("status").label("status"),
+                workflow_type.label("workflow_type"), *optional,
+                sa.case((ready_predicate(tt, t), 1), else_=0).label("ready"),
+                ready_since(tt, t).label("ready_at"),
+            )
+            .select_from(src)
+            .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True)),
+                   tt.col("status").in_([st.pending, st.failed, st.running]))
+            .order_by(tt.col("id"))
+        )
+        self._exists = (sa.select(tt.col("instance_id")).distinct()
+                        .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True))))
+        in_flight = sa.select(workflow_type.label("workflow_type"), sa.func.count()).select_from(src).where(
+            tt.col("status").in_([st.dispatched, st.running])).group_by(workflow_type)
+        self._in_flight = in_flight
+
+    def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None) -> Evaluation:
+        result = Evaluation()
+        if not instance_ids:
+            return result
+        trace_ids = trace_ids or {}
+        with self.engine.connect() as conn:
+            rows = conn.execute(self._query, {"ids": list(instance_ids)}).all()
+            seen = {r.instance_id for r in rows}
+            missing = [i for i in instance_ids if i not in seen]
+            if missing:
+                present = set(conn.execute(self._exists, {"ids": missing}).scalars())
+                result.unknown_instances = {i for i in missing if i not in present}
+        ready: list[tuple[ReadyTask, str]] = []
+        st = self.tables.statuses
+        for r in rows:
+            m = r._mapping
+            type_settings = self.settings.for_type(r.workflow_type)
+            attempts = m.get("attempts")
+            if r.ready:
+                task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
+                                 (attempts + 1) if attempts is not None else None, r.ready_at)
+                ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
+            elif r.status == st.pending and m.get("due_at") is not None:
+                due = as_utc(m["due_at"])
+                if due is not None and due > datetime.now(UTC):
+                    result.timers.append((due, "due", str(r.instance_id), ()))
+            elif r.status == st.failed and attempts is not None and m.get("max_attempts") is not None \
+                    and attempts < m["max_attempts"]:
+                since = as_utc(m.get("updated_at")) or datetime.now(UTC)
+                delay = backoff_delay(type_settings, r.task_id, attempts)
+                result.timers.append((since + timedelta(seconds=delay), "retry", str(r.task_id),
+                                      (r.task_id, attempts, r.workflow_type)))
+            elif r.status == st.running and type_settings.running_timeout > 0:
+                since = as_utc(m.get("updated_at")) or datetime.now(UTC)
+                result.timers.append((since + timedelta(seconds=type_settings.running_timeout), "timeout",
+                                      str(r.task_id), (r.task_id, r.workflow_type)))
+        if ready:
+            self._act(ready, trace_ids, result)
+        return result
+
+    def _act(self, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None], result: Evaluation) -> None:
+        to_dispatch: list[ReadyTask] = []
+        to_decide: list[ReadyTask] = []
+        in_flight: dict[str | None, int] | None = None
+        for task, route in ready:
+            if route == "off":
+                continue
+            if route == "shadow":
+                to_decide.append(task)
+                continue
+            ts = self.settings.for_type(task.workflow_type)
+            if ts.max_in_flight:
+                if in_flight is None:
+                    with self.engine.connect() as conn:
+                        in_flight = {k: int(v) for k, v in conn.execute(self._in_flight).all()}
+                if in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
+                    self._hold(task, 1.0, result)
+                    continue
+                in_flight[task.workflow_type] = in_flight.get(task.workflow_type, 0) + 1
+            if ts.rate > 0:
+                bucket = self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst))
+                wait = bucket.take()
+                if wait > 0:
+                    self._hold(task, wait, result)
+                    continue
+            to_dispatch.append(task)
+        now = datetime.now(UTC)
+        if to_dispatch:
+            with self.engine.begin() as conn:
+                won = [t for t in to_dispatch if dispatch(conn, self.tables, t, "events", trace_ids.get(t.instance_id))]
+            result.dispatched.extend(won)
+            self.metrics.lost_races.inc(len(to_dispatch) - len(won))
+            for t in won:
+                self.metrics.dispatches.labels(workflow_type=str(t.workflow_type), path="events").inc()
+                self._observe("events", t, now)
+        if to_decide:
+            with self.engine.begin() as conn:
+                for t in to_decide:
+                    if self._decide(conn, t, trace_ids.get(t.instance_id)):
+                        result.decided.append(t)
+                        self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
+                        self._observe("shadow", t, now)
+
+    def _hold(self, task: ReadyTask, wait: float, result: Evaluation) -> None:
+        """Backpressure: the task stays pending and its instance is looked at again after ``wait``."""
+        result.held_back.append(task)
+        self.metrics.held_back.labels(workflow_type=str(task.workflow_type)).inc()
+        result.timers.append((datetime.now(UTC) + timedelta(seconds=wait), "due", task.instance_id, ()))
+
+    def _observe(self, path: str, task: ReadyTask, now: datetime) -> None:
+        ready_at = as_utc(task.ready_at)
+        if ready_at is not None:
+            self.metrics.ready_to_dispatch.labels(path=path, workflow_type=str(task.workflow_type)).observe(
+                max(0.0, (now - ready_at).total_seconds()))
+
+    def _decide(self, conn: Connection, task: ReadyTask, trace_id: str | None) -> bool:
+        """Record a shadow decision once per (task, attempt)."""
+        values: dict[str, Any] = {
+            "task_id": str(task.task_id), "instance_id": task.instance_id, "workflow_type": task.workflow_type,
+            "task_key": task.task_key, "attempt": task.attempt, "ready_at": task.ready_at,
+            "decided_at": db_now(self.engine.dialect.name), "trace_id": trace_id,
+        }
+        insert_fn = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+        stmt = insert_fn(decisions).values(values).on_conflict_do_nothing()
+        return bool(conn.execute(stmt).rowcount)
+
+
+def group_by_instance(items: Sequence[tuple[str, Any]]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = defaultdict(list)
+    for instance_id, item in items:
+        out[instance_id].append(item)
+    return out

@@ -1,0 +1,94 @@
+"""Partition leases: which scheduler process consumes which bus partition.
+
+Each process heartbeats in ``pollbridge_scheduler_members`` and holds at most its fair share,
+``ceil(partitions / live members)``, of rows in ``pollbridge_scheduler_leases``, renewing them every
+refresh. A partition whose lease expired (its holder died) is taken over by whoever is short of its
+share; a process above its share (a new member joined) releases the excess. One holder per
+partition means one instance's events are handled by one consumer at a time, in bus order.
+
+Times are the host's UTC clock (naive on SQLite): every process of one installation compares the
+same kind of timestamps, and a lease is many seconds long, so small clock skew only delays takeover.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from bridge.schema import scheduler_leases, scheduler_members
+
+
+class PartitionLeases:
+    def __init__(self, engine: Engine, partitions: int, holder: str, ttl: float) -> None:
+        self.engine = engine
+        self.partitions = partitions
+        self.holder = holder
+        self.ttl = ttl
+        self.owned: set[int] = set()
+        self._sqlite = engine.dialect.name == "sqlite"
+        self._ensure_rows()
+
+    def _now(self) -> datetime:
+        now = datetime.now(UTC)
+        return now.replace(tzinfo=None) if self._sqlite else now
+
+    def _ensure_rows(self) -> None:
+        with self.engine.begin() as conn:
+            have = set(conn.execute(sa.select(scheduler_leases.c.partition)).scalars())
+            missing = [{"partition": p} for p in range(self.partitions) if p not in have]
+            if missing:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(scheduler_leases.insert(), missing)
+                except sa.exc.IntegrityError:
+                    pass  # another process created them
+
+    def refresh(self) -> tuple[set[int], set[int]]:
+        """Heartbeat, renew, rebalance. Returns ``(acquired, lost)`` since the last refresh."""
+        now = self._now()
+        until = now + timedelta(seconds=self.ttl)
+        stale = now - timedelta(seconds=self.ttl)
+        lc, mc = scheduler_leases.c, scheduler_members.c
+        before = set(self.owned)
+        with self.engine.begin() as conn:
+            updated = conn.execute(scheduler_members.update().where(mc.holder == self.holder)
+                                   .values(heartbeat_at=now)).rowcount
+            if not updated:
+                conn.execute(scheduler_members.insert().values(holder=self.holder, heartbeat_at=now))
+            conn.execute(scheduler_members.delete().where(mc.heartbeat_at < stale))
+            members = int(conn.execute(sa.select(sa.func.count()).select_from(scheduler_members)).scalar_one())
+            share = math.ceil(self.partitions / max(members, 1))
+            conn.execute(scheduler_leases.update().where(lc.holder == self.holder).values(expires_at=until))
+            mine = sorted(conn.execute(sa.select(lc.partition).where(lc.holder == self.holder)).scalars())
+            for p in mine[share:]:  # above the fair share: give the excess back
+                conn.execute(scheduler_leases.update().where(lc.partition == p, lc.holder == self.holder)
+                             .values(holder=None, expires_at=None))
+            mine = mine[:share]
+            if len(mine) < share:
+                free = list(conn.execute(sa.select(lc.partition).where(
+                    sa.or_(lc.holder.is_(None), lc.expires_at.is_(None), lc.expires_at < now))
+                    .order_by(lc.partition)).scalars())
+                for p in free[: share - len(mine)]:
+                    took = conn.execute(scheduler_leases.update().where(
+                        lc.partition == p,
+                        sa.or_(lc.holder.is_(None), lc.expires_at.is_(None), lc.expires_at < now))
+                        .values(holder=self.holder, expires_at=until)).rowcount
+                    if took:
+                        mine.append(p)
+        self.owned = set(mine)
+        return self.owned - before, before - self.owned
+
+    def release_all(self) -> None:
+        lc, mc = scheduler_leases.c, scheduler_members.c
+        with self.engine.begin() as conn:
+            conn.execute(scheduler_leases.update().where(lc.holder == self.holder).values(holder=None, expires_at=None))
+            conn.execute(scheduler_members.delete().where(mc.holder == self.holder))
+        self.owned = set()
+
+    def holders(self) -> dict[int, Any]:
+        with self.engine.connect() as conn:
+            return {p: h for p, h in conn.execute(sa.select(scheduler_leases.c.partition, scheduler_leases.c.holder))}

@@ -1,0 +1,265 @@
+"""The event scheduler's loop: consume the bus, evaluate instances, dispatch, keep timers.
+
+One process consumes the partitions it leases (:mod:`event_scheduler.leases`) through the consumer
+group ``scheduler.group``. A batch of entries is coalesced by instance and evaluated in one query
+(:mod:`event_scheduler.evaluate`); entries are acknowledged only after their instances were handled.
+If handling raises, the batch is retried instance by instance, and the entries of an instance that
+still fails stay pending: another consumer claims them after the visibility timeout, and an entry
+delivered more than ``max_deliveries`` times goes to the dead-letter store with the error. An entry
+that cannot be parsed is dead-lettered at once.
+
+Crash recovery: pending entries of a dead consumer are claimed (``claim_stale``) after the
+visibility timeout; when the process acquires partitions (at start, or taking over) it catches up
+from the database, evaluating every instance of those partitions that has non-terminal tasks, which
+both dispatches tasks that are ready already and rebuilds their timers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from bridge.bus.abc import Delivery, EventBus, partition_for
+from bridge.db import db_now
+from bridge.events import TIMER_EXPIRED, CloudEvent, new_event_id, new_trace_id
+from bridge.leadership import holder_name
+from bridge.routing import EventRouter
+from bridge.settings import SchedulerSettings
+from bridge.tasktable import TaskTable
+from event_scheduler.evaluate import Evaluation, Evaluator
+from event_scheduler.leases import PartitionLeases
+from event_scheduler.metrics import SchedulerMetrics
+from event_scheduler.timers import Timer, TimerQueue
+
+log = logging.getLogger(__name__)
+
+RECENT_EVENTS = 50_000  # event ids remembered to skip duplicates cheaply (the CAS makes them harmless anyway)
+CATCH_UP_CHUNK = 200
+
+
+class EventScheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        tables: TaskTable,
+        bus: EventBus,
+        settings: SchedulerSettings,
+        router: EventRouter,
+        *,
+        visibility_timeout: float = 30.0,
+        registry: CollectorRegistry | None = None,
+        holder: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tables = tables
+        self.bus = bus
+        self.settings = settings
+        self.visibility_timeout = visibility_timeout
+        self.holder = holder or holder_name()
+        self.metrics = SchedulerMetrics(registry if registry is not None else CollectorRegistry())
+        self.evaluator = Evaluator(engine, tables, router, settings, self.metrics)
+        self.leases = PartitionLeases(engine, bus.partitions, self.holder, settings.lease_ttl)
+        self.timers = TimerQueue(self._fire)
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.bus.ensure_group(settings.group)
+
+    # --- handling ------------------------------------------------------------------------------------
+    def handle(self, deliveries: Sequence[Delivery]) -> None:
+        """Handle one batch; acknowledges what was handled (or dead-lettered)."""
+        if not deliveries:
+            return
+        started = time.perf_counter()
+        group = self.settings.group
+        done: list[Delivery] = []
+        by_instance: dict[str, list[Delivery]] = {}
+        traces: dict[str, str | None] = {}
+        for d in deliveries:
+            if d.event is None:
+                self._dead(d, f"unparseable entry: {d.error}", "unparseable")
+                continue
+            if d.deliveries > self.settings.max_deliveries:
+                self._dead(d, f"handling failed on {d.deliveries - 1} deliveries (max {self.settings.max_deliveries})",
+                           "poison")
+                continue
+            if d.event.id in self._recent:
+                self.metrics.duplicates.inc()
+                done.append(d)
+                continue
+            by_instance.setdefault(d.event.partitionkey, []).append(d)
+            traces[d.event.partitionkey] = d.event.traceid
+        if by_instance:
+            try:
+                self._apply(self.evaluator.evaluate(list(by_instance), traces), by_instance)
+                for items in by_instance.values():
+                    done.extend(items)
+            except Exception as exc:
+                self.metrics.handler_errors.inc()
+                log.warning("batch of %d instances failed (%s); retrying one by one", len(by_instance), exc)
+                for instance_id, items in by_instance.items():
+                    try:
+                        self._apply(self.evaluator.evaluate([instance_id], traces), {instance_id: items})
+                        done.extend(items)
+                    except Exception as inner:  # left pending: redelivered, then dead-lettered
+                        log.warning("instance %s failed: %s: %s", instance_id, type(inner).__name__, inner)
+        if done:
+            self.bus.ack(group, done)
+            for d in done:
+                if d.event is not None:
+                    self._remember(d.event.id)
+                    self.metrics.consumed.labels(workflow_type=str(d.event.data.get("workflow_type"))).inc()
+        self.metrics.decision_latency.observe(time.perf_counter() - started)
+
+    def _apply(self, evaluation: Evaluation, by_instance: dict[str, list[Delivery]]) -> None:
+        for when, kind, key, data in evaluation.timers:
+            self.timers.schedule(when, kind, key, data)
+        self.metrics.timers_pending.set(len(self.timers))
+        if evaluation.unknown_instances:
+            self.metrics.unknown.inc(sum(len(by_instance.get(i, [])) or 1 for i in evaluation.unknown_instances))
+            log.info("events for unknown instance(s) acknowledged: %s", sorted(evaluation.unknown_instances)[:5])
+
+    def _dead(self, d: Delivery, reason: str, kind: str) -> None:
+        self.bus.dead_letter(self.settings.group, d, reason)
+        self.metrics.dead_letters.labels(reason=kind).inc()
+        log.warning("dead-lettered bus entry %s/%s: %s", d.partition, d.entry_id, reason)
+
+    def _remember(self, event_id: str) -> None:
+        self._recent[event_id] = None
+        if len(self._recent) > RECENT_EVENTS:
+            self._recent.popitem(last=False)
+
+    # --- timers --------------------------------------------------------------------------------------
+    def _fire(self, timer: Timer) -> None:
+        self.metrics.timers_fired.labels(kind=timer.kind).inc()
+        if timer.kind == "due":
+            # Through the bus, so the instance's partition owner handles it in order with its other events.
+            event = CloudEvent(id=new_event_id(), type=TIMER_EXPIRED, subject=timer.key, partitionkey=timer.key,
+                               time=datetime.now(UTC), traceid=new_trace_id(), data={"instance_id": timer.key})
+            self.bus.publish([event])
+        elif timer.kind == "retry":
+            self._repend(*timer.data)
+        elif timer.kind == "timeout":
+            self._time_out(*timer.data)
+        self.metrics.timers_pending.set(len(self.timers))
+
+    def _repend(self, task_id: object, attempts: object, workflow_type: object) -> None:
+        tt = self.tables
+        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.pending}
+        if tt.has("updated_at"):
+            values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
+        stmt = tt.tasks.update().where(tt.col("id") == task_id, tt.col("status") == tt.statuses.failed,
+                                       tt.col("attempts") == attempts,
+                                       tt.col("attempts") < tt.col("max_attempts")).values(values)
+        with self.engine.begin() as conn:
+            if conn.execute(stmt).rowcount:
+                self.metrics.retries.labels(workflow_type=str(workflow_type)).inc()
+
+    def _time_out(self, task_id: object, workflow_type: object) -> None:
+        tt = self.tables
+        timeout = self.settings.for_type(str(workflow_type) if workflow_type is not None else None).running_timeout
+        cutoff = datetime.now(UTC) - timedelta(seconds=timeout)
+        if tt.dialect_name == "sqlite":
+            cutoff = cutoff.replace(tzinfo=None)
+        now = db_now(tt.dialect_name)
+        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.failed}
+        for logical in ("completed_at", "updated_at"):
+            if tt.has(logical):
+                values[getattr(tt.mapping.columns, logical)] = now
+        conditions = [tt.col("id") == task_id, tt.col("status") == tt.statuses.running]
+        if tt.has("updated_at"):
+            conditions.append(tt.col("updated_at") <= cutoff)
+        with self.engine.begin() as conn:
+            if conn.execute(tt.tasks.update().where(*conditions).values(values)).rowcount:
+                self.metrics.timeouts.labels(workflow_type=str(workflow_type)).inc()
+                log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
+
+    # --- catch-up ------------------------------------------------------------------------------------
+    def catch_up(self, partitions: set[int]) -> int:
+        """Evaluate every instance of ``partitions`` with non-terminal tasks. Returns instances evaluated."""
+        if not partitions:
+            return 0
+        tt = self.tables
+        st = tt.statuses
+        q = sa.select(tt.col("instance_id")).distinct().where(
+            tt.col("status").in_([st.pending, st.failed, st.running]))
+        with self.engine.connect() as conn:
+            instances = [str(i) for i in conn.execute(q).scalars()
+                         if partition_for(str(i), self.bus.partitions) in partitions]
+        for start in range(0, len(instances), CATCH_UP_CHUNK):
+            chunk = instances[start:start + CATCH_UP_CHUNK]
+            self._apply(self.evaluator.evaluate(chunk), {})
+        log.info("caught up %d instance(s) on partitions %s", len(instances), sorted(partitions))
+        return len(instances)
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def poll_once(self, block: float | None = None) -> int:
+        """Read one batch from the owned partitions and handle it (for tests and ``run``)."""
+        owned = sorted(self.leases.owned)
+        if not owned:
+            return 0
+        deliveries = self.bus.read(self.settings.group, self.holder, owned, self.settings.batch_size,
+                                   self.settings.block if block is None else block)
+        self.handle(deliveries)
+        return len(deliveries)
+
+    def claim_stale(self) -> int:
+        owned = sorted(self.leases.owned)
+        if not owned:
+            return 0
+        claimed = self.bus.claim_stale(self.settings.group, self.holder, owned, self.visibility_timeout,
+                                       self.settings.batch_size)
+        self.handle(claimed)
+        return len(claimed)
+
+    def refresh_leases(self) -> None:
+        acquired, lost = self.leases.refresh()
+        self.metrics.partitions_owned.set(len(self.leases.owned))
+        if lost:
+            log.info("scheduler %s released partitions %s", self.holder, sorted(lost))
+        if acquired:
+            log.info("scheduler %s acquired partitions %s", self.holder, sorted(acquired))
+            self.claim_stale()
+            self.catch_up(acquired)
+
+    def run(self, stop: threading.Event) -> None:
+        self.timers.start()
+        backoff = 0.1
+        next_lease = next_claim = next_lag = 0.0
+        try:
+            while not stop.is_set():
+                try:
+                    now = time.monotonic()
+                    if now >= next_lease:
+                        self.refresh_leases()
+                        next_lease = now + self.settings.lease_ttl / 3
+                    if now >= next_claim:
+                        self.claim_stale()
+                        next_claim = now + self.settings.claim_interval
+                    if now >= next_lag:
+                        for partition, lag in self.bus.lag(self.settings.group).items():
+                            self.metrics.lag.labels(partition=str(partition)).set(lag)
+                        next_lag = now + 5.0
+                    if not self.leases.owned:
+                        stop.wait(min(1.0, self.settings.lease_ttl / 3))
+                        continue
+                    self.poll_once()
+                    backoff = 0.1
+                except Exception as exc:  # database or bus outage: back off and retry
+                    log.warning("scheduler cycle failed (%s: %s); retrying in %.1f s", type(exc).__name__,
+                                str(exc).splitlines()[0] if str(exc) else "", backoff)
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            self.timers.stop()
+            try:
+                self.leases.release_all()
+            except Exception:
+                log.warning("could not release partition leases; they expire in %.0f s", self.settings.lease_ttl)
