@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.db import db_now
 from bridge.dispatch import ReadyTask, dispatch
+from bridge.events import new_trace_id
 from bridge.readiness import ready_predicate, ready_since
 from bridge.routing import EventRouter
 from bridge.schema import decisions
@@ -146,6 +147,8 @@ class Evaluator:
         return result
 
     def _act(self, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None], result: Evaluation) -> None:
+        # A task found without an event (catch-up, timers) starts a trace of its own.
+        traces = {t.instance_id: trace_ids.get(t.instance_id) or new_trace_id() for t, _ in ready}
         to_dispatch: list[ReadyTask] = []
         to_decide: list[ReadyTask] = []
         in_flight: dict[str | None, int] | None = None
@@ -174,7 +177,7 @@ class Evaluator:
         now = datetime.now(UTC)
         if to_dispatch:
             with self.engine.begin() as conn:
-                won = [t for t in to_dispatch if dispatch(conn, self.tables, t, "events", trace_ids.get(t.instance_id))]
+                won = [t for t in to_dispatch if dispatch(conn, self.tables, t, "events", traces[t.instance_id])]
             result.dispatched.extend(won)
             self.metrics.lost_races.inc(len(to_dispatch) - len(won))
             for t in won:
@@ -183,7 +186,7 @@ class Evaluator:
         if to_decide:
             with self.engine.begin() as conn:
                 for t in to_decide:
-                    if self._decide(conn, t, trace_ids.get(t.instance_id)):
+                    if self._decide(conn, t, traces[t.instance_id]):
                         result.decided.append(t)
                         self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
                         self._observe("shadow", t, now)

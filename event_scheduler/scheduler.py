@@ -159,8 +159,9 @@ class EventScheduler:
                                        tt.col("attempts") == attempts,
                                        tt.col("attempts") < tt.col("max_attempts")).values(values)
         with self.engine.begin() as conn:
-            if conn.execute(stmt).rowcount:
-                self.metrics.retries.labels(workflow_type=str(workflow_type)).inc()
+            changed = conn.execute(stmt).rowcount
+        if changed:  # counted after the commit, so the metric never runs ahead of the database
+            self.metrics.retries.labels(workflow_type=str(workflow_type)).inc()
 
     def _time_out(self, task_id: object, workflow_type: object) -> None:
         tt = self.tables
@@ -177,9 +178,10 @@ class EventScheduler:
         if tt.has("updated_at"):
             conditions.append(tt.col("updated_at") <= cutoff)
         with self.engine.begin() as conn:
-            if conn.execute(tt.tasks.update().where(*conditions).values(values)).rowcount:
-                self.metrics.timeouts.labels(workflow_type=str(workflow_type)).inc()
-                log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
+            changed = conn.execute(tt.tasks.update().where(*conditions).values(values)).rowcount
+        if changed:
+            self.metrics.timeouts.labels(workflow_type=str(workflow_type)).inc()
+            log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
 
     # --- catch-up ------------------------------------------------------------------------------------
     def catch_up(self, partitions: set[int]) -> int:

@@ -5,12 +5,27 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
+from bridge.bus.abc import EventBus
 from bridge.tasktable import TaskTable
 from bridge.verify import Verdict, verify
 from legacy_poller.poller import LegacyPoller
+
+
+@dataclass
+class Env:
+    """A database with pollbridge installed plus a way to open buses on it (see the ``env`` fixture)."""
+
+    engine: Engine
+    tables: TaskTable
+    open_bus: Callable[[], EventBus]
+    kind: str
+    namespace: str | None = None
+    url: str = ""
+
 
 #: Runs the installed ``pollbridge`` script: ``run(*args, env=..., timeout=..., cwd=..., input=...)``.
 Run = Callable[..., subprocess.CompletedProcess[str]]

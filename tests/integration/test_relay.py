@@ -7,63 +7,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
-from support import wait_for
+from support import Env, wait_for
 
-from bridge.bus import EventBus, open_bus
+from bridge.bus import EventBus
 from bridge.bus.abc import Delivery
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
 from bridge.relay import Relay
 from bridge.schema import outbox, outbox_dead
 from bridge.settings import RelaySettings
-from bridge.tasktable import TaskTable, reflect_tables
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
                      lease_timeout=1.0, purge_interval=3600)
-
-
-@dataclass
-class Env:
-    engine: Engine
-    tables: TaskTable
-    open_bus: Callable[[], EventBus]
-    kind: str
-    namespace: str | None = None
-
-
-@pytest.fixture(params=[
-    "sqlite-embedded",
-    pytest.param("postgresql-embedded", marks=pytest.mark.postgres),
-    pytest.param("postgresql-redis", marks=[pytest.mark.postgres, pytest.mark.redis]),
-])
-def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    db, bus_kind = request.param.split("-")
-    url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
-    engine = create_engine(url)
-    buses: list[EventBus] = []
-    namespace = None
-    if bus_kind == "redis":
-        redis_url = request.getfixturevalue("redis_server")
-        namespace = request.getfixturevalue("redis_namespace")
-
-        def opener() -> EventBus:
-            bus = open_bus(redis_url, partitions=4, namespace=namespace)
-            buses.append(bus)
-            return bus
-    else:
-        def opener() -> EventBus:
-            bus = open_bus("embedded", engine=engine, partitions=4)
-            buses.append(bus)
-            return bus
-    yield Env(engine, reflect_tables(engine, TaskTableMapping()), opener, request.param, namespace)
-    for bus in buses:
-        bus.close()
-    engine.dispose()
 
 
 def add_tasks(env: Env, instance: str, n: int) -> None:

@@ -1,0 +1,275 @@
+"""The event scheduler end to end (capture → relay → bus → scheduler → dispatch) on the three stacks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from support import Env, wait_for
+
+from bridge.relay import Relay
+from bridge.routing import FixedRouter, Phase
+from bridge.schema import decisions, dispatch_log, signals
+from bridge.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
+from bridge.verify import verify
+from bridge.workload import TaskSpec, WorkflowSpec, demo_workload, seed
+from event_scheduler.exceptions import SignalError
+from event_scheduler.scheduler import EventScheduler
+from event_scheduler.signals import record_signal
+from legacy_poller.poller import LegacyPoller
+from legacy_poller.workers import WorkerPool
+
+RELAY = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, lease_timeout=1.0,
+                      purge_interval=3600)
+SCHED = SchedulerSettings(block=0.1, lease_ttl=2.0, claim_interval=0.5, max_deliveries=3,
+                          defaults=TypeSettings(retry_base=0.2, retry_jitter=0.1))
+WORKERS = WorkerSettings(concurrency=3, min_duration=0.0, max_duration=0.005, idle_sleep=0.01)
+
+
+class Stack:
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.threads: list[tuple[threading.Thread, threading.Event]] = []
+        self.pools: list[WorkerPool] = []
+
+    def run(self, target: Callable[[threading.Event], None]) -> threading.Event:
+        stop = threading.Event()
+        thread = threading.Thread(target=target, args=(stop,), daemon=True)
+        thread.start()
+        self.threads.append((thread, stop))
+        return stop
+
+    def relay(self) -> Relay:
+        relay = Relay(self.env.engine, self.env.open_bus(), RELAY, statuses=self.env.tables.mapping.statuses)
+        self.run(relay.run)
+        return relay
+
+    def scheduler(self, phase: Phase = "cutover", settings: SchedulerSettings = SCHED,
+                  start: bool = True, visibility_timeout: float = 1.0) -> EventScheduler:
+        sched = EventScheduler(self.env.engine, self.env.tables, self.env.open_bus(), settings,
+                               FixedRouter(phase), visibility_timeout=visibility_timeout,
+                               registry=CollectorRegistry())
+        if start:
+            self.run(sched.run)
+        return sched
+
+    def workers(self, settings: WorkerSettings = WORKERS) -> WorkerPool:
+        pool = WorkerPool(self.env.engine, self.env.tables, settings, seed=3)
+        pool.start()
+        self.pools.append(pool)
+        return pool
+
+    def stop(self) -> None:
+        for pool in self.pools:
+            pool.stop()
+        for _, stop in self.threads:
+            stop.set()
+        for thread, _ in self.threads:
+            thread.join(20)
+
+
+@pytest.fixture
+def stack(env: Env) -> Iterator[Stack]:
+    s = Stack(env)
+    yield s
+    s.stop()
+
+
+def _paths(env: Env) -> dict[str, int]:
+    with env.engine.connect() as conn:
+        return dict(conn.execute(sa.select(dispatch_log.c.path, sa.func.count()).group_by(dispatch_log.c.path)).all())
+
+
+def _settled(env: Env, ids: list[str]) -> Callable[[], bool]:
+    def check() -> bool:
+        with env.engine.connect() as conn:
+            return verify(conn, env.tables, ids).unsettled == 0
+    return check
+
+
+def test_cutover_runs_a_workload_on_events_alone(env: Env, stack: Stack) -> None:
+    specs = demo_workload(8, 6, prefix="ev")
+    stack.relay()
+    stack.scheduler("cutover")
+    stack.workers()
+    with env.engine.begin() as conn:
+        total = seed(conn, env.tables, specs)
+    ids = [s.instance_id for s in specs]
+    wait_for(_settled(env, ids), 60, interval=0.1, what="the workload to finish on the event path")
+    with env.engine.connect() as conn:
+        verdict = verify(conn, env.tables, ids)
+    assert verdict.completed == verdict.dispatches == total
+    assert (verdict.double_dispatched, verdict.early) == (0, 0), verdict.problems
+    assert _paths(env) == {"events": total}
+    with env.engine.connect() as conn:
+        traces = conn.execute(sa.select(sa.func.count()).where(dispatch_log.c.trace_id.is_not(None))).scalar()
+    assert traces == total
+
+
+def test_dual_write_records_decisions_and_never_dispatches(env: Env, stack: Stack) -> None:
+    specs = demo_workload(4, 5, prefix="shadow")
+    stack.relay()
+    sched = stack.scheduler("dual_write")
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, specs)
+    roots = sum(1 for s in specs for t in s.tasks if not t.depends_on and t.due_in is None)
+    wait_for(lambda: sched.metrics.value("pollbridge_scheduler_decisions_total", {"workflow_type": "orders"})
+             + sched.metrics.value("pollbridge_scheduler_decisions_total", {"workflow_type": "reports"})
+             + sched.metrics.value("pollbridge_scheduler_decisions_total", {"workflow_type": "etl"}) >= roots,
+             30, what="shadow decisions for the root tasks")
+    assert _paths(env) == {}
+    # The poller stays authoritative; the decisions keep coming as tasks become ready.
+    stack.workers()
+    poller = LegacyPoller(env.engine, env.tables)
+    ids = [s.instance_id for s in specs]
+
+    def settled() -> bool:
+        poller.scan_once()
+        return _settled(env, ids)()
+
+    wait_for(settled, 60, interval=0.05, what="the poller to finish the workload")
+    total = sum(len(s.tasks) for s in specs)
+    assert _paths(env) == {"poller": total}
+    with env.engine.connect() as conn:
+        decided = conn.execute(sa.select(decisions.c.task_id, decisions.c.attempt)).all()
+    assert len(decided) == len(set(decided)), "a decision was recorded twice"
+    assert len(decided) >= roots
+
+
+def test_catch_up_dispatches_tasks_ready_before_start(env: Env, stack: Stack) -> None:
+    """No event on the bus at all (as after a long outage): start-up evaluates from the database."""
+    specs = demo_workload(5, 4, prefix="cold")
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, specs)
+    sched = stack.scheduler("cutover", start=False)
+    sched.refresh_leases()  # acquires every partition and catches up
+    roots = sum(1 for s in specs for t in s.tasks if not t.depends_on and t.due_in is None)
+    assert _paths(env).get("events") == roots
+
+
+def test_due_timer_fires_without_a_scan(env: Env, stack: Stack) -> None:
+    stack.relay()
+    sched = stack.scheduler("cutover")
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("timed", "orders", (TaskSpec("later", due_in=0.8),))])
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the timer task to be dispatched")
+    assert sched.metrics.value("pollbridge_scheduler_timers_fired_total", {"kind": "due"}) >= 1
+    with env.engine.connect() as conn:
+        verdict = verify(conn, env.tables, ["timed"])
+    assert verdict.early == 0, verdict.problems
+
+
+def test_approval_and_rejection_signals(env: Env, stack: Stack) -> None:
+    stack.relay()
+    stack.scheduler("cutover")
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("sig", "orders", (
+            TaskSpec("approve_me", awaits_signal="manager"), TaskSpec("reject_me", awaits_signal="manager"),
+            TaskSpec("plain")))])
+        ids = dict(conn.execute(sa.select(env.tables.tasks.c.task_key, env.tables.tasks.c.id)).all())
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the task that awaits nothing")
+    with pytest.raises(SignalError, match="awaits no signal"):
+        record_signal(env.engine, env.tables, str(ids["plain"]), "approval")
+    with pytest.raises(SignalError, match="no task"):
+        record_signal(env.engine, env.tables, "999999", "approval")
+    with pytest.raises(SignalError, match="not valid JSON"):
+        record_signal(env.engine, env.tables, str(ids["approve_me"]), "approval", payload="{nope")
+    record_signal(env.engine, env.tables, str(ids["approve_me"]), "approval", payload='{"by": "ann"}', actor="ann")
+    wait_for(lambda: _paths(env).get("events") == 2, 15, what="the approved task")
+    result = record_signal(env.engine, env.tables, str(ids["reject_me"]), "rejection")
+    assert result.new_status == "failed"
+    with pytest.raises(SignalError, match="already received"):
+        record_signal(env.engine, env.tables, str(ids["approve_me"]), "callback")
+    with env.engine.connect() as conn:
+        status, attempts, max_attempts = conn.execute(
+            sa.select(env.tables.tasks.c.status, env.tables.tasks.c.attempts, env.tables.tasks.c.max_attempts)
+            .where(env.tables.tasks.c.id == ids["reject_me"])).one()
+        recorded = conn.execute(sa.select(signals.c.kind, signals.c.actor, signals.c.payload)
+                                .order_by(signals.c.id)).all()
+    assert status == "failed" and attempts == max_attempts  # rejected for good: no retry
+    assert [r.kind for r in recorded] == ["approval", "rejection"] and recorded[0].actor == "ann"
+
+
+def test_failed_task_is_retried_after_backoff_and_dispatched_again(env: Env, stack: Stack) -> None:
+    stack.relay()
+    sched = stack.scheduler("cutover")
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("retry", "orders", (TaskSpec("flaky"),))])
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the first dispatch")
+    t = env.tables.tasks
+    with env.engine.begin() as conn:  # a worker ran it (attempt 1) and it failed
+        conn.execute(t.update().where(t.c.instance_id == "retry").values(status="failed", attempts=1))
+    wait_for(lambda: _paths(env).get("events") == 2, 15, what="the retry to be dispatched")
+    assert sched.metrics.value("pollbridge_scheduler_retries_total", {"workflow_type": "orders"}) == 1
+    with env.engine.connect() as conn:
+        attempts = sorted(conn.execute(sa.select(dispatch_log.c.attempt)).scalars())
+    assert attempts == [1, 2]
+
+
+def test_running_task_past_its_timeout_is_failed(env: Env, stack: Stack) -> None:
+    settings = SchedulerSettings(block=0.1, lease_ttl=2.0, defaults=TypeSettings(running_timeout=0.5,
+                                                                                retry_base=30.0))
+    stack.relay()
+    sched = stack.scheduler("cutover", settings=settings)
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("slow", "orders", (TaskSpec("hangs"),))])
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the dispatch")
+    t = env.tables.tasks
+    now = sa.func.clock_timestamp() if env.engine.dialect.name == "postgresql" else sa.func.strftime(
+        "%Y-%m-%d %H:%M:%f", "now")
+    with env.engine.begin() as conn:  # a worker picked it up and then hung
+        conn.execute(t.update().where(t.c.instance_id == "slow").values(status="running", attempts=1, updated_at=now))
+    wait_for(lambda: sched.metrics.value("pollbridge_scheduler_timeouts_total", {"workflow_type": "orders"}) == 1,
+             15, what="the running timeout")
+    with env.engine.connect() as conn:
+        assert conn.execute(sa.select(t.c.status).where(t.c.instance_id == "slow")).scalar() == "failed"
+
+
+def test_poison_and_unknown_events(env: Env, stack: Stack) -> None:
+    from bridge.events import CloudEvent
+
+    bus = env.open_bus()
+    sched = stack.scheduler("cutover", start=False)
+    sched.refresh_leases()
+    good = CloudEvent(id="e-unknown", type="task.status_changed", subject="1", partitionkey="nobody",
+                      time=__import__("datetime").datetime.now(__import__("datetime").UTC))
+    bus.publish([good])
+    _write_raw(env, bus, "this is not json")
+    handled = 0
+    for _ in range(20):
+        handled += sched.poll_once(block=0.1)
+        if handled >= 2:
+            break
+    assert sched.metrics.value("pollbridge_scheduler_unknown_events_total") == 1
+    assert sched.metrics.value("pollbridge_scheduler_dead_letters_total", {"reason": "unparseable"}) == 1
+    letters = bus.dead_letters()
+    assert len(letters) == 1 and "unparseable" in letters[0].reason
+    assert bus.pending_count(SCHED.group) == 0
+
+
+def _write_raw(env: Env, bus: Any, payload: str) -> None:
+    """An entry that is not a CloudEvent, written straight into the backend's storage."""
+    if env.kind.endswith("redis"):
+        bus.client.xadd(bus.keys.stream(0), {"id": "raw", "payload": payload})
+    else:
+        from bridge.schema import bus_log
+
+        with env.engine.begin() as conn:
+            conn.execute(bus_log.insert().values(partition=0, event_id="raw", payload=payload,
+                                                 created_at=sa.func.current_timestamp()))
+
+
+def test_two_schedulers_split_the_partitions(env: Env, stack: Stack) -> None:
+    a = stack.scheduler("cutover", start=False)
+    b = stack.scheduler("cutover", start=False)
+    a.refresh_leases()
+    b.refresh_leases()
+    a.refresh_leases()  # a sees b and gives back the excess
+    b.refresh_leases()
+    assert a.leases.owned and b.leases.owned
+    assert a.leases.owned.isdisjoint(b.leases.owned)
+    assert a.leases.owned | b.leases.owned == set(range(4))
