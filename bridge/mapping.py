@@ -24,6 +24,9 @@ DependencyMode = Literal["json", "edges"]
 
 #: Logical statuses pollbridge understands, in lifecycle order.
 STATUS_NAMES = ("pending", "dispatched", "running", "completed", "failed")
+#: Optional logical statuses: ``review`` is where the depth guard parks a runaway workflow's task for
+#: a person to look at ("" = the table has no such status; the guard then only holds the task back).
+OPTIONAL_STATUS_NAMES = ("review",)
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,13 @@ class StatusValues:
     running: str = "running"
     completed: str = "completed"
     failed: str = "failed"
+    review: str | None = "review"
 
     def __post_init__(self) -> None:
+        if self.review == "":
+            object.__setattr__(self, "review", None)
         seen: dict[str, str] = {}
-        for name in STATUS_NAMES:
+        for name in self.names():
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise MappingError(f"status value for {name!r} must be a non-empty string, got {value!r}")
@@ -49,9 +55,16 @@ class StatusValues:
                 )
             seen[value] = name
 
+    def names(self) -> tuple[str, ...]:
+        """The logical statuses this mapping has (the five required ones, plus mapped optional ones)."""
+        return STATUS_NAMES + tuple(n for n in OPTIONAL_STATUS_NAMES if getattr(self, n) is not None)
+
+    def values(self) -> frozenset[str]:
+        return frozenset(getattr(self, n) for n in self.names())
+
     def logical(self, value: str) -> str | None:
         """The logical status name of a stored value, or ``None`` for a value that is not mapped."""
-        for name in STATUS_NAMES:
+        for name in self.names():
             if getattr(self, name) == value:
                 return name
         return None

@@ -62,9 +62,7 @@ def row_to_event(row: Row[Any], statuses: StatusValues | None) -> CloudEvent:
             value = getattr(row, column)
             if value is not None and statuses.logical(value) is None:
                 raise EventFormatError(f"outbox row {row.id}: unknown {column} {value!r}; the mapping's status "
-                                       "values are " + ", ".join(repr(getattr(statuses, n)) for n in
-                                                                 ("pending", "dispatched", "running", "completed",
-                                                                  "failed")))
+                                       "values are " + ", ".join(repr(getattr(statuses, n)) for n in statuses.names()))
     created = as_utc(row.created_at) or datetime.now(UTC)
     return CloudEvent(
         id=row.event_id,
@@ -142,9 +140,7 @@ class Relay:
                        .where(o.id.in_(batch.scalar_subquery()))
                        .values(published_at=db_now(engine.dialect.name))
                        .returning(*outbox.c, event_payload_sql(engine.dialect.name)))
-        self._valid_statuses = frozenset(
-            getattr(statuses, n) for n in ("pending", "dispatched", "running", "completed", "failed")
-        ) if statuses is not None else None
+        self._valid_statuses = statuses.values() if statuses is not None else None
         ensure_state_row(engine, partition)
 
     # --- one batch ----------------------------------------------------------------------------------

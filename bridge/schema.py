@@ -36,6 +36,7 @@ dispatch_log = sa.Table(
     sa.Index("pollbridge_dispatch_log_task_idx", "task_id"),
     sa.Index("pollbridge_dispatch_log_type_time_idx", "workflow_type", "dispatched_at"),
     sa.Index("pollbridge_dispatch_log_time_idx", "dispatched_at"),
+    sa.Index("pollbridge_dispatch_log_instance_idx", "instance_id"),
 )
 
 #: The capture outbox: one row per relevant change of a task row, written by the capture trigger in

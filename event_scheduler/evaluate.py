@@ -14,6 +14,7 @@ proportional to the instances touched, never to the task table. Then, per task:
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import defaultdict
@@ -31,11 +32,13 @@ from bridge.dispatch import ReadyTask, dispatch
 from bridge.events import new_trace_id
 from bridge.readiness import ready_predicate, ready_since
 from bridge.routing import EventRouter
-from bridge.schema import decisions
+from bridge.schema import decisions, dispatch_log
 from bridge.settings import SchedulerSettings, TypeSettings
 from bridge.tasktable import TaskTable
 from bridge.verify import as_utc
 from event_scheduler.metrics import SchedulerMetrics
+
+log = logging.getLogger(__name__)
 
 TimerSpec = tuple[datetime, str, str, tuple[object, ...]]
 
@@ -45,6 +48,7 @@ class Evaluation:
     dispatched: list[ReadyTask] = field(default_factory=list)
     decided: list[ReadyTask] = field(default_factory=list)
     held_back: list[ReadyTask] = field(default_factory=list)
+    stopped: list[ReadyTask] = field(default_factory=list)
     timers: list[TimerSpec] = field(default_factory=list)
     unknown_instances: set[str] = field(default_factory=set)
 
@@ -105,6 +109,9 @@ class Evaluator:
         in_flight = sa.select(workflow_type.label("workflow_type"), sa.func.count()).select_from(src).where(
             tt.col("status").in_([st.dispatched, st.running])).group_by(workflow_type)
         self._in_flight = in_flight
+        self._depth = (sa.select(dispatch_log.c.instance_id, sa.func.count())
+                       .where(dispatch_log.c.instance_id.in_(sa.bindparam("ids", expanding=True)))
+                       .group_by(dispatch_log.c.instance_id))
 
     def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None) -> Evaluation:
         result = Evaluation()
@@ -174,6 +181,8 @@ class Evaluator:
                     self._hold(task, wait, result)
                     continue
             to_dispatch.append(task)
+        if to_dispatch:
+            to_dispatch = self._depth_guard(to_dispatch, result)
         now = datetime.now(UTC)
         if to_dispatch:
             with self.engine.begin() as conn:
@@ -190,6 +199,35 @@ class Evaluator:
                         result.decided.append(t)
                         self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
                         self._observe("shadow", t, now)
+
+    def _depth_guard(self, tasks: list[ReadyTask], result: Evaluation) -> list[ReadyTask]:
+        """Stop a workflow that keeps spawning work: past ``max_depth`` dispatches in one instance, its
+        ready tasks go to the mapping's review status (or, without one, are held back), with a metric
+        and a log line, for a person to look at."""
+        instances = sorted({t.instance_id for t in tasks})
+        with self.engine.connect() as conn:
+            depth: dict[str, int] = dict(conn.execute(self._depth, {"ids": instances}).all())
+        over = {i for i in instances if depth.get(i, 0) >= self.settings.max_depth}
+        if not over:
+            return tasks
+        tt = self.tables
+        review = tt.statuses.review
+        for instance_id in sorted(over):
+            log.warning("depth guard: instance %s has %d dispatches (max %d); its ready tasks %s",
+                        instance_id, depth[instance_id], self.settings.max_depth,
+                        f"go to {review!r} for review" if review else "are held back")
+            self.metrics.depth_stopped.inc()
+        stopped = [t for t in tasks if t.instance_id in over]
+        if review:
+            values: dict[str, Any] = {tt.mapping.columns.status: review}
+            if tt.has("updated_at"):
+                values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
+            with self.engine.begin() as conn:
+                for t in stopped:
+                    conn.execute(tt.tasks.update().where(tt.col("id") == t.task_id,
+                                                         tt.col("status") == tt.statuses.pending).values(values))
+        result.stopped.extend(stopped)
+        return [t for t in tasks if t.instance_id not in over]
 
     def _hold(self, task: ReadyTask, wait: float, result: Evaluation) -> None:
         """Backpressure: the task stays pending and its instance is looked at again after ``wait``."""

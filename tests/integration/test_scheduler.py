@@ -273,3 +273,22 @@ def test_two_schedulers_split_the_partitions(env: Env, stack: Stack) -> None:
     assert a.leases.owned and b.leases.owned
     assert a.leases.owned.isdisjoint(b.leases.owned)
     assert a.leases.owned | b.leases.owned == set(range(4))
+
+
+def test_depth_guard_parks_a_runaway_instance_for_review(env: Env, stack: Stack) -> None:
+    settings = SchedulerSettings(block=0.1, lease_ttl=2.0, max_depth=3)
+    stack.relay()
+    sched = stack.scheduler("cutover", settings=settings)
+    stack.workers()
+    chain = tuple(TaskSpec(f"t{i}", (f"t{i-1}",) if i else ()) for i in range(6))
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("runaway", "orders", chain)])
+    t = env.tables.tasks
+    wait_for(lambda: sched.metrics.value("pollbridge_scheduler_depth_stopped_total") >= 1, 30,
+             what="the depth guard to stop the instance")
+    with env.engine.connect() as conn:
+        statuses = dict(conn.execute(sa.select(t.c.task_key, t.c.status).where(t.c.instance_id == "runaway")).all())
+    assert [statuses[f"t{i}"] for i in range(3)] == ["completed"] * 3
+    assert statuses["t3"] == "review"
+    assert statuses["t4"] == statuses["t5"] == "pending"
+    assert _paths(env) == {"events": 3}
