@@ -236,6 +236,18 @@ class Relay:
             log.warning("bus lost its data (epoch changed): republishing %d retained outbox row(s)", count)
         return reset
 
+    def _memory_paused(self) -> bool:
+        pressure = self.bus.memory_pressure()
+        paused = pressure is not None and pressure >= self.settings.max_bus_memory
+        if paused != bool(self.metrics.value("pollbridge_relay_paused")):
+            if paused:
+                log.warning("bus memory at %.0f%% of its limit (pause threshold %.0f%%): publishing paused",
+                            100 * (pressure or 0), 100 * self.settings.max_bus_memory)
+            else:
+                log.info("bus memory below the threshold again: publishing resumed")
+        self.metrics.paused.set(1 if paused else 0)
+        return paused
+
     def purge(self) -> int:
         """Delete published rows older than the retention window, in small batches."""
         o = outbox.c
@@ -270,6 +282,7 @@ class Relay:
         backoff = 0.1
         next_heartbeat = next_epoch = next_purge = 0.0
         leader = False
+        paused = False
         last_rows = time.monotonic()
         try:
             while not stop.is_set():
@@ -289,7 +302,11 @@ class Relay:
                             continue
                     if now >= next_epoch:
                         self.check_bus_epoch()
+                        paused = self._memory_paused()
                         next_epoch = now + self.settings.epoch_check_interval
+                    if paused:  # backpressure: the outbox keeps the changes until the bus has room
+                        stop.wait(self.settings.epoch_check_interval)
+                        continue
                     if now >= next_purge:
                         self.purge()
                         self.probe()

@@ -33,6 +33,8 @@ class RelayMetrics:
         self.wakeups = Counter("pollbridge_relay_wakeups", "Relay wake-ups by cause", ["cause"], registry=registry)
         self.errors = Counter("pollbridge_relay_errors", "Relay cycles that failed (then retried with backoff)",
                               ["kind"], registry=registry)
+        self.paused = Gauge("pollbridge_relay_paused", "1 while publishing is paused for bus memory pressure",
+                            registry=registry)
         self.leader = Gauge("pollbridge_relay_leader", "1 while this relay holds its partition", ["partition"],
                             registry=registry)
 

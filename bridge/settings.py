@@ -119,8 +119,13 @@ class RelaySettings:
     purge_batch: int = 1000
     lease_timeout: float = 5.0
     epoch_check_interval: float = 1.0
+    #: Pause publishing while the bus uses more than this fraction of its memory limit (Redis maxmemory).
+    max_bus_memory: float = 0.9
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_bus_memory, bool) or not isinstance(self.max_bus_memory, int | float) \
+                or not 0 < self.max_bus_memory <= 1:
+            raise ConfigError(f"relay.max_bus_memory must be in (0, 1], got {self.max_bus_memory!r}")
         for name in ("batch_size", "purge_batch"):
             _positive(getattr(self, name), f"relay.{name}", integer=True)
         for name in ("poll_interval", "arm_after", "fallback_interval", "retention", "purge_interval",

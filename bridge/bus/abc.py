@@ -30,6 +30,8 @@ The contract, for every implementation:
   group has acknowledged; it never removes a pending or undelivered entry.
 * **Loss detection.** ``epoch()`` returns a token that changes when the bus lost its data (Redis
   flushed or restarted without persistence); the relay compares it to the one it stored.
+* **memory_pressure()** is the fraction of its memory limit the bus uses (Redis: ``used_memory /
+  maxmemory``), or ``None`` without a limit; the relay pauses publishing above a threshold.
 * **close()** closes only what the bus opened (a client passed in stays open).
 """
 
@@ -79,6 +81,10 @@ class EventBus(ABC):
     def publish_in(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
         """Publish from inside the caller's transaction (see the contract); by default, at once."""
         self.publish(events)
+
+    def memory_pressure(self) -> float | None:
+        """Used memory as a fraction of the bus's memory limit, or ``None`` when it has no limit."""
+        return None
 
     @abstractmethod
     def ensure_group(self, group: str) -> None: ...

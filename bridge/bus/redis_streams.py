@@ -153,6 +153,13 @@ class RedisStreamsBus(EventBus):
                              client=pipe)
         pipe.execute()
 
+    def memory_pressure(self) -> float | None:
+        info = self._client.info("memory")
+        limit = int(info.get("maxmemory", 0) or 0)
+        if limit <= 0:
+            return None
+        return float(int(info.get("used_memory", 0)) / limit)
+
     # ------------------------------------------------------------------ groups
 
     def ensure_group(self, group: str) -> None:

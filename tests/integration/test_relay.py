@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from support import Env, wait_for
 
-from bridge.bus import EventBus
+from bridge.bus import EventBus, open_bus
 from bridge.bus.abc import Delivery
 from bridge.relay import Relay
 from bridge.schema import outbox, outbox_dead
@@ -224,3 +224,48 @@ def test_database_built_payload_equals_the_python_event(env: Env) -> None:
         parsed = CloudEvent.from_json(row.payload)
         assert parsed == expected
         assert parsed.time.tzinfo is not None and abs((parsed.time - expected.time).total_seconds()) < 1e-3
+
+
+def test_relay_pauses_while_the_bus_is_near_its_memory_limit(env: Env, running: Callable[[Relay], object]) -> None:
+    class Full:
+        """Wraps a bus and reports memory pressure until told otherwise."""
+
+        def __init__(self, bus: EventBus) -> None:
+            self.bus, self.pressure = bus, 0.97
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.bus, name)
+
+        def memory_pressure(self) -> float | None:
+            return self.pressure
+
+    full = Full(env.open_bus())
+    relay = Relay(env.engine, full, FAST, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    running(relay)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_paused") == 1, 10, what="the relay to pause")
+    add_tasks(env, "mem", 3)
+    threading.Event().wait(0.3)  # the relay is paused: give it time it must not use
+    assert relay.metrics.value("pollbridge_relay_published_total") == 0
+    full.pressure = 0.5
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 3, 10, what="publishing to resume")
+    assert relay.metrics.value("pollbridge_relay_paused") == 0
+
+
+@pytest.mark.redis
+def test_redis_memory_pressure_reads_maxmemory(redis_server: str, redis_namespace: str) -> None:
+    import redis
+
+    bus = open_bus(redis_server, namespace=redis_namespace)
+    client = redis.Redis.from_url(redis_server)
+    before = client.config_get("maxmemory")["maxmemory"]
+    try:
+        client.config_set("maxmemory", 0)
+        assert bus.memory_pressure() is None
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used * 4)
+        pressure = bus.memory_pressure()
+        assert pressure is not None and 0.1 < pressure < 0.5
+    finally:
+        client.config_set("maxmemory", before)
+        client.close()
+        bus.close()
