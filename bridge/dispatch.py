@@ -10,6 +10,7 @@ the same transaction, so the log and the task table never disagree.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -34,6 +35,41 @@ class ReadyTask:
     workflow_type: str | None
     attempt: int | None
     ready_at: datetime | None
+
+
+def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], path: Path,
+                  trace_ids: Mapping[str, str | None] | None = None) -> list[ReadyTask]:
+    """Dispatch a batch inside the caller's transaction; return the tasks this call won.
+
+    Two statements whatever the batch size: one compare-and-set UPDATE over all the ids (each row is
+    still updated only if it is pending and ready at the moment it is written: a row another
+    dispatcher changed first is re-checked against its new version and skipped), then one INSERT of
+    the dispatch-log rows of the winners."""
+    if not tasks:
+        return []
+    t = tt.tasks
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
+    for logical in ("dispatched_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    by_id = {task.task_id: task for task in tasks}
+    stmt = (
+        t.update()
+        .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t))
+        .values(values)
+        .returning(tt.col("id"))
+    )
+    won = [by_id[task_id] for task_id in conn.execute(stmt).scalars()]
+    if won:
+        traces = trace_ids or {}
+        conn.execute(dispatch_log.insert().values(dispatched_at=db_now(tt.dialect_name)), [
+            {"task_id": str(task.task_id), "instance_id": str(task.instance_id), "workflow_type": task.workflow_type,
+             "task_key": task.task_key, "attempt": task.attempt, "path": path, "ready_at": task.ready_at,
+             "trace_id": traces.get(task.instance_id)}
+            for task in won
+        ])
+    return won
 
 
 def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace_id: str | None = None) -> bool:

@@ -25,17 +25,10 @@ def unmet_dependencies(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool
     dep = tt.tasks.alias("pb_dep")
     if tt.mapping.dependency_mode == "json":
         d = _json_keys(tt, t)
-        done = (
-            sa.select(sa.literal(1))
-            .select_from(dep)
-            .where(
-                tt.col("instance_id", dep) == tt.col("instance_id", t),
-                tt.col("task_key", dep) == d.c.value,
-                tt.col("status", dep) == completed,
-            )
-            .correlate_except(dep)
-        )
-        return sa.exists(sa.select(sa.literal(1)).select_from(d).where(~sa.exists(done)))
+        # A scalar lookup by (instance, key): the only index it can use is the (instance_id, task_key)
+        # one, so the plan cannot degrade into a scan of every completed task when statistics are stale.
+        dep_status = _dependency_lookup(tt, t, dep, d, tt.col("status", dep))
+        return sa.exists(sa.select(sa.literal(1)).select_from(d).where(dep_status.is_distinct_from(completed)))
     assert tt.edges is not None and tt.mapping.edges is not None
     e = tt.edges.alias("pb_edge")
     edge_task = e.c[tt.mapping.edges.task_id]
@@ -90,13 +83,7 @@ def _latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnE
         return sa.null()
     if tt.mapping.dependency_mode == "json":
         d = _json_keys(tt, t, name="pb_dep_key_done")
-        q = (
-            sa.select(sa.func.max(completed_at))
-            .select_from(d.join(dep, sa.and_(
-                tt.col("instance_id", dep) == tt.col("instance_id", t),
-                tt.col("task_key", dep) == d.c.value,
-            )))
-        )
+        q = sa.select(sa.func.max(_dependency_lookup(tt, t, dep, d, completed_at))).select_from(d)
     else:
         assert tt.edges is not None and tt.mapping.edges is not None
         e = tt.edges.alias("pb_edge_done")
@@ -106,6 +93,18 @@ def _latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnE
             .where(e.c[tt.mapping.edges.task_id] == tt.col("id", t))
         )
     return sa.type_coerce(q.scalar_subquery(), sa.DateTime(timezone=True))
+
+
+def _dependency_lookup(tt: TaskTable, t: sa.FromClause, dep: sa.FromClause, d: Any,
+                       column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    """``column`` of the dependency named by key ``d.value`` in the same instance as ``t`` (NULL if none)."""
+    return (
+        sa.select(column)
+        .select_from(dep)
+        .where(tt.col("instance_id", dep) == tt.col("instance_id", t), tt.col("task_key", dep) == d.c.value)
+        .correlate_except(dep)
+        .scalar_subquery()
+    )
 
 
 def _json_keys(tt: TaskTable, t: sa.FromClause, name: str = "pb_dep_key") -> Any:

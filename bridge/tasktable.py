@@ -43,15 +43,21 @@ class TaskTable:
     def statuses(self) -> Any:
         return self.mapping.statuses
 
-    def workflow_type_source(self, tasks: sa.FromClause) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
-        """``(from_clause, type_expression)`` giving each task row its workflow type."""
+    def workflow_type_source(
+        self, tasks: sa.FromClause, only_instances: sa.BindParameter[Any] | None = None
+    ) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
+        """``(from_clause, type_expression)`` giving each task row its workflow type.
+
+        ``only_instances`` (an expanding bind parameter of instance ids) restricts the join to those
+        instances, so the planner looks them up by key instead of hashing the whole instances table."""
         if self.instances is None:
             return tasks, self.col("workflow_type", tasks)
         inst = self.instances
         assert self.mapping.instances is not None
-        joined = tasks.outerjoin(
-            inst, inst.c[self.mapping.instances.id] == self.col("instance_id", tasks)
-        )
+        on = inst.c[self.mapping.instances.id] == self.col("instance_id", tasks)
+        if only_instances is not None:
+            on = sa.and_(on, inst.c[self.mapping.instances.id].in_(only_instances))
+        joined = tasks.outerjoin(inst, on)
         return joined, inst.c[self.mapping.instances.workflow_type]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -28,7 +28,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from bridge.db import db_now
-from bridge.dispatch import ReadyTask, dispatch
+from bridge.dispatch import ReadyTask, dispatch_many
 from bridge.events import new_trace_id
 from bridge.readiness import ready_predicate, ready_since
 from bridge.routing import EventRouter
@@ -41,6 +41,9 @@ from event_scheduler.metrics import SchedulerMetrics
 log = logging.getLogger(__name__)
 
 TimerSpec = tuple[datetime, str, str, tuple[object, ...]]
+
+#: Instances whose dispatch count the depth guard keeps in memory (least recently used dropped).
+DEPTH_CACHE = 100_000
 
 
 @dataclass
@@ -86,10 +89,11 @@ class Evaluator:
         self.settings = settings
         self.metrics = metrics
         self._buckets: dict[str | None, TokenBucket] = {}
+        self._depths: OrderedDict[str, int] = OrderedDict()
         tt = tables
         t = tt.tasks
         st = tt.statuses
-        src, workflow_type = tt.workflow_type_source(t)
+        src, workflow_type = tt.workflow_type_source(t, sa.bindparam("ids", expanding=True))
         optional = [tt.col(c).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at") if tt.has(c)]
         self._query = (
             sa.select(
@@ -97,13 +101,15 @@ class Evaluator:
                 tt.col("task_key").label("task_key"), tt.col("status").label("status"),
                 workflow_type.label("workflow_type"), *optional,
                 sa.case((ready_predicate(tt, t), 1), else_=0).label("ready"),
-                ready_since(tt, t).label("ready_at"),
             )
             .select_from(src)
             .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True)),
                    tt.col("status").in_([st.pending, st.failed, st.running]))
             .order_by(tt.col("id"))
         )
+        # Only for the few tasks found ready: when their readiness began (for latency).
+        self._ready_since = sa.select(tt.col("id"), ready_since(tt, t)).where(
+            tt.col("id").in_(sa.bindparam("task_ids", expanding=True)))
         self._exists = (sa.select(tt.col("instance_id")).distinct()
                         .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True))))
         in_flight = sa.select(workflow_type.label("workflow_type"), sa.func.count()).select_from(src).where(
@@ -125,6 +131,8 @@ class Evaluator:
             if missing:
                 present = set(conn.execute(self._exists, {"ids": missing}).scalars())
                 result.unknown_instances = {i for i in missing if i not in present}
+            ready_ids = [r.task_id for r in rows if r.ready]
+            ready_at = dict(conn.execute(self._ready_since, {"task_ids": ready_ids}).all()) if ready_ids else {}
         ready: list[tuple[ReadyTask, str]] = []
         st = self.tables.statuses
         for r in rows:
@@ -133,7 +141,7 @@ class Evaluator:
             attempts = m.get("attempts")
             if r.ready:
                 task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
-                                 (attempts + 1) if attempts is not None else None, r.ready_at)
+                                 (attempts + 1) if attempts is not None else None, ready_at.get(r.task_id))
                 ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
             elif r.status == st.pending and m.get("due_at") is not None:
                 due = as_utc(m["due_at"])
@@ -186,8 +194,10 @@ class Evaluator:
         now = datetime.now(UTC)
         if to_dispatch:
             with self.engine.begin() as conn:
-                won = [t for t in to_dispatch if dispatch(conn, self.tables, t, "events", traces[t.instance_id])]
+                won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
             result.dispatched.extend(won)
+            for t in won:
+                self._remember_depth(t.instance_id, self._depths.get(t.instance_id, 0) + 1)
             self.metrics.lost_races.inc(len(to_dispatch) - len(won))
             for t in won:
                 self.metrics.dispatches.labels(workflow_type=str(t.workflow_type), path="events").inc()
@@ -205,8 +215,13 @@ class Evaluator:
         ready tasks go to the mapping's review status (or, without one, are held back), with a metric
         and a log line, for a person to look at."""
         instances = sorted({t.instance_id for t in tasks})
-        with self.engine.connect() as conn:
-            depth: dict[str, int] = dict(conn.execute(self._depth, {"ids": instances}).all())
+        unknown = [i for i in instances if i not in self._depths]
+        if unknown:  # counted once per instance, then kept up to date in memory by _count_dispatches
+            with self.engine.connect() as conn:
+                counted: dict[str, int] = dict(conn.execute(self._depth, {"ids": unknown}).all())
+            for i in unknown:
+                self._remember_depth(i, int(counted.get(i, 0)))
+        depth = {i: self._depths[i] for i in instances}
         over = {i for i in instances if depth.get(i, 0) >= self.settings.max_depth}
         if not over:
             return tasks
@@ -228,6 +243,12 @@ class Evaluator:
                                                          tt.col("status") == tt.statuses.pending).values(values))
         result.stopped.extend(stopped)
         return [t for t in tasks if t.instance_id not in over]
+
+    def _remember_depth(self, instance_id: str, count: int) -> None:
+        self._depths[instance_id] = count
+        self._depths.move_to_end(instance_id)
+        while len(self._depths) > DEPTH_CACHE:
+            self._depths.popitem(last=False)
 
     def _hold(self, task: ReadyTask, wait: float, result: Evaluation) -> None:
         """Backpressure: the task stays pending and its instance is looked at again after ``wait``."""

@@ -30,8 +30,9 @@ from sqlalchemy.engine import Engine
 
 from bridge.bus.abc import Delivery, EventBus, partition_for
 from bridge.db import db_now
-from bridge.events import TIMER_EXPIRED, CloudEvent, new_event_id, new_trace_id
+from bridge.events import TASK_STATUS_CHANGED, TIMER_EXPIRED, CloudEvent, new_event_id, new_trace_id
 from bridge.leadership import holder_name
+from bridge.readiness import ready_predicate
 from bridge.routing import EventRouter
 from bridge.settings import SchedulerSettings
 from bridge.tasktable import TaskTable
@@ -94,6 +95,9 @@ class EventScheduler:
                 self.metrics.duplicates.inc()
                 done.append(d)
                 continue
+            if not self._may_matter(d.event):
+                done.append(d)
+                continue
             by_instance.setdefault(d.event.partitionkey, []).append(d)
             traces[d.event.partitionkey] = d.event.traceid
         if by_instance:
@@ -117,6 +121,22 @@ class EventScheduler:
                     self._remember(d.event.id)
                     self.metrics.consumed.labels(workflow_type=str(d.event.data.get("workflow_type"))).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - started)
+
+    def _may_matter(self, event: CloudEvent) -> bool:
+        """Whether an event can change what the scheduler should do for its instance.
+
+        A task that became dispatched cannot make another task ready (only completion, failure,
+        insertion, due and signal changes can); a task that started running matters only when its
+        type has a running timeout. Skipping the rest halves the work of a busy instance."""
+        if event.type != TASK_STATUS_CHANGED or event.data.get("change") != "status":
+            return True
+        new_status = event.data.get("new_status")
+        statuses = self.tables.statuses
+        if new_status == statuses.dispatched:
+            return False
+        if new_status == statuses.running:
+            return self.settings.for_type(event.data.get("workflow_type")).running_timeout > 0
+        return True
 
     def _apply(self, evaluation: Evaluation, by_instance: dict[str, list[Delivery]]) -> None:
         for when, kind, key, data in evaluation.timers:
@@ -190,8 +210,18 @@ class EventScheduler:
             return 0
         tt = self.tables
         st = tt.statuses
-        q = sa.select(tt.col("instance_id")).distinct().where(
-            tt.col("status").in_([st.pending, st.failed, st.running]))
+        t = tt.tasks
+        # Only instances with something to do now or a timer to rebuild: a ready task, a future due
+        # time, a failed task with attempts left, a running task when a type has a timeout. Pending
+        # tasks waiting on dependencies get their event when a dependency completes.
+        wanted = [ready_predicate(tt, t)]
+        if tt.has("due_at"):
+            wanted.append(sa.and_(tt.col("status") == st.pending, tt.col("due_at") > db_now(tt.dialect_name)))
+        if tt.has("attempts") and tt.has("max_attempts"):
+            wanted.append(sa.and_(tt.col("status") == st.failed, tt.col("attempts") < tt.col("max_attempts")))
+        if any(ts.running_timeout > 0 for ts in (self.settings.defaults, *(s for _, s in self.settings.types))):
+            wanted.append(tt.col("status") == st.running)
+        q = sa.select(tt.col("instance_id")).distinct().where(sa.or_(*wanted))
         with self.engine.connect() as conn:
             instances = [str(i) for i in conn.execute(q).scalars()
                          if partition_for(str(i), self.bus.partitions) in partitions]

@@ -3,7 +3,8 @@
 The scan is one statement: the count of pending rows (what a poll examines, the figure that grows
 with the table) joined to at most ``batch_size`` ready tasks, so an empty poll still reports how
 much it looked at. Each ready task is then dispatched through :func:`bridge.dispatch.dispatch`,
-which re-checks readiness in its UPDATE, so the poller can run beside any other dispatcher.
+which re-checks readiness in its UPDATE, so the poller can run beside any other dispatcher; a
+scan's ready tasks are dispatched with one UPDATE and one INSERT (:func:`bridge.dispatch.dispatch_many`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from bridge.db import db_now
-from bridge.dispatch import ReadyTask, dispatch
+from bridge.dispatch import ReadyTask, dispatch_many
 from bridge.readiness import ready_predicate, ready_since
 from bridge.tasktable import TaskTable
 from legacy_poller.metrics import PollerMetrics
@@ -100,8 +101,7 @@ class LegacyPoller:
             won = 0
             if ready:
                 with self.engine.begin() as conn:
-                    for task in ready:
-                        won += dispatch(conn, self.tables, task, "poller")
+                    won = len(dispatch_many(conn, self.tables, ready, "poller"))
             dispatched += won
             self.metrics.lost_races.inc(len(ready) - won)
             if len(ready) < self.batch_size:
