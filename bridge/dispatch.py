@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from bridge.db import db_now
@@ -54,15 +55,42 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
         if tt.has(logical):
             values[getattr(tt.mapping.columns, logical)] = now
     by_id = {task.task_id: task for task in tasks}
+    traces = trace_ids or {}
     stmt = (
         t.update()
         .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t))
         .values(values)
         .returning(tt.col("id"))
     )
+    if tt.dialect_name == "postgresql":
+        # One statement, one round trip: the UPDATE and the dispatch-log INSERT in a data-modifying
+        # CTE, atomic as a statement even in autocommit mode.
+        won_cte = stmt.cte("pb_won")
+        facts = sa.values(
+            sa.column("task_id", sa.String), sa.column("instance_id", sa.String),
+            sa.column("workflow_type", sa.String), sa.column("task_key", sa.String),
+            sa.column("attempt", sa.Integer), sa.column("ready_at", sa.DateTime(timezone=True)),
+            sa.column("trace_id", sa.String), name="pb_facts",
+        ).data([(str(task.task_id), str(task.instance_id), task.workflow_type, task.task_key, task.attempt,
+                 task.ready_at, traces.get(task.instance_id)) for task in tasks])
+        select_won = (
+            # Casts: a VALUES column of NULLs only is typed text by PostgreSQL.
+            sa.select(facts.c.task_id, facts.c.instance_id, sa.cast(facts.c.workflow_type, sa.String),
+                      facts.c.task_key, sa.cast(facts.c.attempt, sa.Integer), sa.literal(path, sa.String),
+                      sa.cast(facts.c.ready_at, sa.DateTime(timezone=True)), now,
+                      sa.cast(facts.c.trace_id, sa.String))
+            .select_from(won_cte.join(facts, sa.cast(won_cte.c[0], sa.String) == facts.c.task_id))
+        )
+        insert = (
+            dispatch_log.insert()
+            .from_select(["task_id", "instance_id", "workflow_type", "task_key", "attempt", "path", "ready_at",
+                          "dispatched_at", "trace_id"], select_won)
+            .returning(dispatch_log.c.task_id)
+        )
+        won_ids = set(conn.execute(insert).scalars())
+        return [task for task in tasks if str(task.task_id) in won_ids]
     won = [by_id[task_id] for task_id in conn.execute(stmt).scalars()]
     if won:
-        traces = trace_ids or {}
         conn.execute(dispatch_log.insert().values(dispatched_at=db_now(tt.dialect_name)), [
             {"task_id": str(task.task_id), "instance_id": str(task.instance_id), "workflow_type": task.workflow_type,
              "task_key": task.task_key, "attempt": task.attempt, "path": path, "ready_at": task.ready_at,

@@ -94,26 +94,36 @@ class Evaluator:
         t = tt.tasks
         st = tt.statuses
         src, workflow_type = tt.workflow_type_source(t, sa.bindparam("ids", expanding=True))
-        optional = [tt.col(c).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at") if tt.has(c)]
-        self._query = (
-            sa.select(
-                tt.col("id").label("task_id"), tt.col("instance_id").label("instance_id"),
-                tt.col("task_key").label("task_key"), tt.col("status").label("status"),
-                workflow_type.label("workflow_type"), *optional,
-                sa.case((ready_predicate(tt, t), 1), else_=0).label("ready"),
-            )
+        # Inner query: the instances' non-terminal tasks with their readiness; outer query: the ready
+        # time, computed only for the rows found ready (a CASE branch is evaluated only when taken).
+        # One statement, one round trip.
+        logical = [c for c in ("id", "instance_id", "task_key", "status", "depends_on", "due_at", "awaits_signal",
+                               "signal_received_at", "updated_at", "attempts", "max_attempts") if tt.has(c)]
+        columns = {getattr(tt.mapping.columns, c): tt.col(c) for c in logical}
+        inner = (
+            sa.select(*columns.values(), workflow_type.label("pb_workflow_type"),
+                      sa.case((ready_predicate(tt, t), 1), else_=0).label("pb_ready"))
             .select_from(src)
             .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True)),
                    tt.col("status").in_([st.pending, st.failed, st.running]))
-            .order_by(tt.col("id"))
+            .subquery("pb_eval")
         )
-        # Only for the few tasks found ready: when their readiness began (for latency).
-        self._ready_since = sa.select(tt.col("id"), ready_since(tt, t)).where(
-            tt.col("id").in_(sa.bindparam("task_ids", expanding=True)))
+        optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at")
+                    if tt.has(c)]
+        self._query = (
+            sa.select(
+                tt.col("id", inner).label("task_id"), tt.col("instance_id", inner).label("instance_id"),
+                tt.col("task_key", inner).label("task_key"), tt.col("status", inner).label("status"),
+                inner.c.pb_workflow_type.label("workflow_type"), *optional, inner.c.pb_ready.label("ready"),
+                sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
+            )
+            .order_by(tt.col("id", inner))
+        )
         self._exists = (sa.select(tt.col("instance_id")).distinct()
                         .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True))))
-        in_flight = sa.select(workflow_type.label("workflow_type"), sa.func.count()).select_from(src).where(
-            tt.col("status").in_([st.dispatched, st.running])).group_by(workflow_type)
+        all_src, any_type = tt.workflow_type_source(t)
+        in_flight = sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src).where(
+            tt.col("status").in_([st.dispatched, st.running])).group_by(any_type)
         self._in_flight = in_flight
         self._depth = (sa.select(dispatch_log.c.instance_id, sa.func.count())
                        .where(dispatch_log.c.instance_id.in_(sa.bindparam("ids", expanding=True)))
@@ -131,8 +141,6 @@ class Evaluator:
             if missing:
                 present = set(conn.execute(self._exists, {"ids": missing}).scalars())
                 result.unknown_instances = {i for i in missing if i not in present}
-            ready_ids = [r.task_id for r in rows if r.ready]
-            ready_at = dict(conn.execute(self._ready_since, {"task_ids": ready_ids}).all()) if ready_ids else {}
         ready: list[tuple[ReadyTask, str]] = []
         st = self.tables.statuses
         for r in rows:
@@ -141,7 +149,7 @@ class Evaluator:
             attempts = m.get("attempts")
             if r.ready:
                 task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
-                                 (attempts + 1) if attempts is not None else None, ready_at.get(r.task_id))
+                                 (attempts + 1) if attempts is not None else None, r.ready_at)
                 ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
             elif r.status == st.pending and m.get("due_at") is not None:
                 due = as_utc(m["due_at"])
