@@ -66,7 +66,9 @@ class Processes:
         self.namespace = namespace
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([self.exe, *args], cwd=self.workdir, env=self.env, stderr=subprocess.DEVNULL)
+        log = open(Path(self.workdir, f"{name}.log"), "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([self.exe, "--log-level", "INFO", *args], cwd=self.workdir, env=self.env,
+                                stderr=log, stdout=log)
         self.procs.append((name, proc))
         return proc
 
@@ -172,6 +174,8 @@ def main() -> None:
     parser.add_argument("--schedulers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small and short, for CI (< 1 minute)")
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch database for inspection")
+    parser.add_argument("--skip-poller", action="store_true", help="measure the event path only")
     args = parser.parse_args()
     if args.quick:
         args.seconds = 4
@@ -180,7 +184,7 @@ def main() -> None:
     namespace = f"pbbench{uuid.uuid4().hex[:6]}"
     results: dict[str, Any] = {"machine": machine(), "command": " ".join(["python -m bench.scheduler", *sys.argv[1:]])}
     try:
-        with scratch_database("pollbridge_bench_scheduler") as url:
+        with scratch_database("pollbridge_bench_scheduler", keep=args.keep) as url:
             engine = create_engine(url)
             install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings())
             engine.dispose()
@@ -195,12 +199,13 @@ def main() -> None:
                                                      "events")
             results["scheduler_rss_mb"] = {"start": rss_start, "end": [rss_mb(p.pid) for p in schedulers]}
             procs.stop()
-            procs.start("poller", "poller", "run", "--interval", str(args.poll_interval))
-            time.sleep(1.0)
-            results["poller_latency"] = run_phase(url, procs, "pol", args.rate, args.seconds, instances, length,
-                                                  "poller")
-            results["poller_latency"]["interval_s"] = args.poll_interval
-            procs.stop()
+            if not args.skip_poller:
+                procs.start("poller", "poller", "run", "--interval", str(args.poll_interval))
+                time.sleep(1.0)
+                results["poller_latency"] = run_phase(url, procs, "pol", args.rate, args.seconds, instances, length,
+                                                      "poller")
+                results["poller_latency"]["interval_s"] = args.poll_interval
+                procs.stop()
     finally:
         client = redis.Redis.from_url(REDIS_URL)
         keys = list(client.scan_iter(match=f"{namespace}:*"))
@@ -208,11 +213,14 @@ def main() -> None:
             client.delete(*keys)
         client.close()
     for name in ("events_latency", "events_throughput", "poller_latency"):
+        if name not in results:
+            continue
         r = results[name]
         lat = r["latency"]
         print(f"{name:18} {r['completions_per_s']:>8} completions/s {r['transitions_per_s']:>8} transitions/s  "
               f"ready->dispatch p50 {lat['p50_ms']} ms p90 {lat['p90_ms']} ms p99 {lat['p99_ms']} ms "
               f"max {lat['max_ms']} ms (n={lat['n']})")
+    print(f"process logs in {procs.workdir}")
     print(f"scheduler RSS MB start {results['scheduler_rss_mb']['start']} end {results['scheduler_rss_mb']['end']}")
     write_json(args.json_path, results)
 

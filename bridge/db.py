@@ -103,6 +103,14 @@ def read_only(engine: Engine) -> Engine:
     return engine.execution_options(**{READ_ONLY: True})
 
 
+def autocommit(engine: Engine) -> Engine:
+    """The engine for single statements that need no transaction around them (reads, and writes that are
+    atomic as one statement): no BEGIN and COMMIT round trips on PostgreSQL; on SQLite, :func:`read_only`."""
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(isolation_level="AUTOCOMMIT")
+    return read_only(engine)
+
+
 def open_engine(engine_or_url: Engine | str) -> tuple[Engine, bool]:
     """``(engine, owned)``: ``owned`` is true when this call created the engine (the caller disposes it)."""
     if isinstance(engine_or_url, Engine):

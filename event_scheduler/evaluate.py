@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.db import db_now
+from bridge.db import autocommit, db_now
 from bridge.dispatch import ReadyTask, dispatch_many
 from bridge.events import new_trace_id
 from bridge.readiness import ready_predicate, ready_since
@@ -88,6 +88,7 @@ class Evaluator:
         self.router = router
         self.settings = settings
         self.metrics = metrics
+        self._single = autocommit(engine)
         self._buckets: dict[str | None, TokenBucket] = {}
         self._depths: OrderedDict[str, int] = OrderedDict()
         tt = tables
@@ -134,7 +135,7 @@ class Evaluator:
         if not instance_ids:
             return result
         trace_ids = trace_ids or {}
-        with self.engine.connect() as conn:
+        with self._single.connect() as conn:
             rows = conn.execute(self._query, {"ids": list(instance_ids)}).all()
             seen = {r.instance_id for r in rows}
             missing = [i for i in instance_ids if i not in seen]
@@ -201,8 +202,12 @@ class Evaluator:
             to_dispatch = self._depth_guard(to_dispatch, result)
         now = datetime.now(UTC)
         if to_dispatch:
-            with self.engine.begin() as conn:
-                won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
+            if self.engine.dialect.name == "postgresql":  # one statement (a CTE): atomic without BEGIN/COMMIT
+                with self._single.connect() as conn:
+                    won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
+            else:
+                with self.engine.begin() as conn:
+                    won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
             result.dispatched.extend(won)
             for t in won:
                 self._remember_depth(t.instance_id, self._depths.get(t.instance_id, 0) + 1)
