@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 TimerSpec = tuple[datetime, str, str, tuple[object, ...]]
 
+#: The soonest a due timer fires: a task the database still finds not due is looked at again after this.
+DUE_RECHECK = 0.02
+
 #: Instances whose dispatch count the depth guard keeps in memory (least recently used dropped).
 DEPTH_CACHE = 100_000
 
@@ -103,7 +106,12 @@ class Evaluator:
         columns = {getattr(tt.mapping.columns, c): tt.col(c) for c in logical}
         inner = (
             sa.select(*columns.values(), workflow_type.label("pb_workflow_type"),
-                      sa.case((ready_predicate(tt, t), 1), else_=0).label("pb_ready"))
+                      sa.case((ready_predicate(tt, t), 1), else_=0).label("pb_ready"),
+                      # "Not due yet" by the database clock, the one readiness uses: the scheduler host's
+                      # clock may disagree, and deciding with it could leave a task with neither a
+                      # dispatch nor a timer.
+                      (sa.case((tt.col("due_at") > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
+                       else sa.literal(0)).label("pb_due_future"))
             .select_from(src)
             .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True)),
                    tt.col("status").in_([st.pending, st.failed, st.running]))
@@ -116,6 +124,7 @@ class Evaluator:
                 tt.col("id", inner).label("task_id"), tt.col("instance_id", inner).label("instance_id"),
                 tt.col("task_key", inner).label("task_key"), tt.col("status", inner).label("status"),
                 inner.c.pb_workflow_type.label("workflow_type"), *optional, inner.c.pb_ready.label("ready"),
+                inner.c.pb_due_future.label("due_future"),
                 sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
             )
             .order_by(tt.col("id", inner))
@@ -152,10 +161,11 @@ class Evaluator:
                 task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
                                  (attempts + 1) if attempts is not None else None, r.ready_at)
                 ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
-            elif r.status == st.pending and m.get("due_at") is not None:
+            elif r.status == st.pending and r.due_future and m.get("due_at") is not None:
                 due = as_utc(m["due_at"])
-                if due is not None and due > datetime.now(UTC):
-                    result.timers.append((due, "due", str(r.instance_id), ()))
+                if due is not None:  # at least a moment from now, even if this host's clock is ahead
+                    soonest = datetime.now(UTC) + timedelta(seconds=DUE_RECHECK)
+                    result.timers.append((max(due, soonest), "due", str(r.instance_id), ()))
             elif r.status == st.failed and attempts is not None and m.get("max_attempts") is not None \
                     and attempts < m["max_attempts"]:
                 since = as_utc(m.get("updated_at")) or datetime.now(UTC)
