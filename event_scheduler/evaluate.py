@@ -226,12 +226,13 @@ class Evaluator:
                 self.metrics.dispatches.labels(workflow_type=str(t.workflow_type), path="events").inc()
                 self._observe("events", t, now)
         if to_decide:
+            decided = []
             with self.engine.begin() as conn:
-                for t in to_decide:
-                    if self._decide(conn, t, traces[t.instance_id]):
-                        result.decided.append(t)
-                        self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
-                        self._observe("shadow", t, now)
+                decided = [t for t in to_decide if self._decide(conn, t, traces[t.instance_id])]
+            for t in decided:  # counted after the commit
+                result.decided.append(t)
+                self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
+                self._observe("shadow", t, now)
 
     def _depth_guard(self, tasks: list[ReadyTask], result: Evaluation) -> list[ReadyTask]:
         """Stop a workflow that keeps spawning work: past ``max_depth`` dispatches in one instance, its
@@ -250,11 +251,6 @@ class Evaluator:
             return tasks
         tt = self.tables
         review = tt.statuses.review
-        for instance_id in sorted(over):
-            log.warning("depth guard: instance %s has %d dispatches (max %d); its ready tasks %s",
-                        instance_id, depth[instance_id], self.settings.max_depth,
-                        f"go to {review!r} for review" if review else "are held back")
-            self.metrics.depth_stopped.inc()
         stopped = [t for t in tasks if t.instance_id in over]
         if review:
             values: dict[str, Any] = {tt.mapping.columns.status: review}
@@ -264,6 +260,12 @@ class Evaluator:
                 for t in stopped:
                     conn.execute(tt.tasks.update().where(tt.col("id") == t.task_id,
                                                          tt.col("status") == tt.statuses.pending).values(values))
+        # Logged and counted after the commit, so the metric never runs ahead of the database.
+        for instance_id in sorted(over):
+            log.warning("depth guard: instance %s has %d dispatches (max %d); its ready tasks %s",
+                        instance_id, depth[instance_id], self.settings.max_depth,
+                        f"went to {review!r} for review" if review else "are held back")
+            self.metrics.depth_stopped.inc()
         result.stopped.extend(stopped)
         return [t for t in tasks if t.instance_id not in over]
 
