@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from bridge import install
-from bridge.db import StatementCounter, check_connection, create_engine, db_now, mask_url
+from bridge.db import StatementCounter, check_connection, create_engine, db_now, mask_url, read_only
 from bridge.demo_schema import is_default_mapping
 from bridge.exceptions import WorkloadError
 from bridge.settings import Settings
@@ -157,7 +157,7 @@ def _settled(engine: sa.Engine, tt: TaskTable, instance_ids: list[str]) -> int:
     """Tasks finished for good. Cheap count while anything is moving; a full verify only when idle."""
     st = tt.statuses
     counts: dict[str, int] = {}
-    with engine.connect() as conn:
+    with read_only(engine).connect() as conn:  # polling must not take SQLite's write lock
         for start in range(0, len(instance_ids), 500):
             q = (sa.select(tt.col("status"), sa.func.count())
                  .where(tt.col("instance_id").in_(instance_ids[start:start + 500]))
