@@ -136,8 +136,15 @@ class Relay:
                  .where(o.relay_partition == partition, o.published_at.is_(None))
                  .order_by(o.id).limit(settings.batch_size)
                  .with_for_update(skip_locked=True))
+        if engine.dialect.name == "postgresql":
+            # = ANY(ARRAY(subquery)) runs the LIMIT subquery once. With IN (subquery), a generic plan
+            # cached while the outbox was empty re-ran it per outbox row (measured: 14.9 s for 11k rows,
+            # and it claimed more than the batch size).
+            claim_ids: sa.ColumnElement[bool] = o.id == sa.any_(sa.func.array(batch.scalar_subquery()))
+        else:
+            claim_ids = o.id.in_(batch.scalar_subquery())
         self._claim = (outbox.update()
-                       .where(o.id.in_(batch.scalar_subquery()))
+                       .where(claim_ids)
                        .values(published_at=db_now(engine.dialect.name))
                        .returning(*outbox.c, event_payload_sql(engine.dialect.name)))
         self._valid_statuses = statuses.values() if statuses is not None else None
