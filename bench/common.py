@@ -73,3 +73,16 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def delete_namespace(namespace: str) -> None:
+    """Remove every Redis key a benchmark created under ``namespace``."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

@@ -25,10 +25,9 @@ import time
 import uuid
 from typing import Any
 
-import redis
 import sqlalchemy as sa
 
-from bench.common import REDIS_URL, latency_summary, machine, scratch_database, write_json
+from bench.common import REDIS_URL, delete_namespace, latency_summary, machine, scratch_database, write_json
 from bridge import install
 from bridge.bus import open_bus
 from bridge.db import create_engine
@@ -162,11 +161,7 @@ def main() -> None:
             results["throughput"] = throughput(url, args.rows, args.batch, namespace)
             results["latency"] = latency(url, args.rate, args.seconds, args.wake, namespace)
     finally:
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{namespace}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_namespace(namespace)
     tp, lat = results["throughput"], results["latency"]
     print(f"relay throughput: {tp['rows']} rows in {tp['seconds']} s = {tp['rows_per_s']} rows/s "
           f"(batch {tp['batch_size']})")

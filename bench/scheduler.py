@@ -29,10 +29,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import redis
 import sqlalchemy as sa
 
-from bench.common import REDIS_URL, latency_summary, machine, scratch_database, write_json
+from bench.common import REDIS_URL, delete_namespace, latency_summary, machine, scratch_database, write_json
 from bridge import install
 from bridge.bus import open_bus
 from bridge.db import create_engine
@@ -207,11 +206,7 @@ def main() -> None:
                 results["poller_latency"]["interval_s"] = args.poll_interval
                 procs.stop()
     finally:
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{namespace}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_namespace(namespace)
     for name in ("events_latency", "events_throughput", "poller_latency"):
         if name not in results:
             continue
