@@ -137,11 +137,19 @@ def _configure_sqlite(engine: Engine) -> None:
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
+        # The frozen routing hash, so SQLite scans can filter a selective percentage in SQL as PostgreSQL does.
+        dbapi_conn.create_function("pollbridge_bucket", 2, _sqlite_bucket, deterministic=True)
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         # Read-only work (see read_only()) takes no write lock: in WAL mode it never blocks writers.
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
+
+
+def _sqlite_bucket(workflow_type: str | None, instance_id: Any) -> int:
+    from bridge.routing import bucket
+
+    return bucket(workflow_type, str(instance_id))
 
 
 def is_sqlite(bind: Engine | Connection) -> bool:
@@ -154,6 +162,14 @@ def db_now(dialect_name: str) -> ColumnElement[Any]:
     if dialect_name == "postgresql":
         return sa.func.clock_timestamp()
     return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now")
+
+
+def db_ago(dialect_name: str, seconds: float) -> ColumnElement[Any]:
+    """The database clock minus ``seconds`` (bound, never formatted into the SQL), comparable with
+    timestamps written by :func:`db_now`."""
+    if dialect_name == "postgresql":
+        return sa.func.clock_timestamp() - sa.func.make_interval(0, 0, 0, 0, 0, 0, sa.bindparam(None, float(seconds)))
+    return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", sa.bindparam(None, f"-{float(seconds)!r} seconds"))
 
 
 def millis_between(dialect_name: str, start: Any, end: Any) -> ColumnElement[Any]:

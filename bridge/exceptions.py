@@ -42,3 +42,24 @@ class WorkloadError(PollbridgeError):
     Bad input, so a usage error (exit 2)."""
 
     exit_code = 2
+
+
+class FlagError(PollbridgeError):
+    """A flag change that is bad input: unknown phase, bad type name or percentage, a skipped step
+    without ``--force``, a missing reason. Nothing is changed; exit 2."""
+
+    exit_code = 2
+
+
+class GateRefused(PollbridgeError):
+    """A promotion the reconciler's evidence does not support. Nothing is changed; exit 1.
+
+    ``gate`` carries the :class:`bridge.promotion.GateResult` with every criterion."""
+
+    exit_code = 1
+    gate: object = None
+
+
+class FlagStoreUnavailable(PollbridgeError):
+    """The flag store cannot be read (database down, schema missing). Pollers then treat every type as
+    ``polling``; the event path keeps the last flags it read."""

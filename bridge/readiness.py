@@ -57,7 +57,7 @@ def ready_predicate(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool]:
 
 def ready_since(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
     """When the task's readiness began (``NULL`` if nothing records it)."""
-    parts: list[sa.ColumnElement[Any]] = [_latest_dependency_completion(tt, t)]
+    parts: list[sa.ColumnElement[Any]] = [latest_dependency_completion(tt, t)]
     for logical in ("due_at", "signal_received_at", "updated_at"):
         if tt.has(logical):
             parts.append(tt.col(logical, t))
@@ -76,7 +76,7 @@ def greatest(dialect_name: str, parts: list[sa.ColumnElement[Any]]) -> sa.Column
     )
 
 
-def _latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
+def latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
     dep = tt.tasks.alias("pb_dep_done")
     completed_at = tt.col("completed_at", dep) if tt.has("completed_at") else None
     if completed_at is None:

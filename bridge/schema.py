@@ -186,3 +186,40 @@ signals = sa.Table(
     sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("pollbridge_signals_task_idx", "task_id"),
 )
+
+#: The phase of each workflow type (a type without a row is ``polling``). ``percent`` limits ``selective``
+#: to a stable-hash share of the instances (NULL: all); ``grace_seconds`` is how long the poller lets a
+#: task of a canary instance wait before it dispatches it as a fallback; ``thresholds`` (JSON) overrides
+#: gate and guardian settings for the type.
+flags = sa.Table(
+    "pollbridge_flags",
+    metadata,
+    sa.Column("workflow_type", sa.String(200), primary_key=True),
+    sa.Column("phase", sa.String(16), nullable=False),
+    sa.Column("percent", sa.Float, nullable=True),
+    sa.Column("grace_seconds", sa.Float, nullable=False, server_default="5"),
+    sa.Column("thresholds", sa.Text, nullable=True),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("updated_by", sa.String(200), nullable=False),
+)
+
+#: Every flag change: who, why, from what to what, whether a gate was overridden and what it said.
+#: ``action`` is ``set``, ``rollback`` or ``guardian``; a ``rollback`` row is also the record that a
+#: rollback was rehearsed for the type.
+flag_audit = sa.Table(
+    "pollbridge_flag_audit",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("workflow_type", sa.String(200), nullable=False),
+    sa.Column("action", sa.String(16), nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("old_phase", sa.String(16), nullable=False),
+    sa.Column("new_phase", sa.String(16), nullable=False),
+    sa.Column("old_percent", sa.Float, nullable=True),
+    sa.Column("new_percent", sa.Float, nullable=True),
+    sa.Column("forced", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("gate", sa.Text, nullable=True),
+    sa.Column("changed_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("pollbridge_flag_audit_type_time_idx", "workflow_type", "changed_at"),
+)

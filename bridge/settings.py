@@ -23,6 +23,9 @@ File layout::
     min_duration = 0.01    # seconds a demo task "runs"
     max_duration = 0.05
     failure_rate = 0.0
+    [router]               # refresh_interval = 1.0, grace = 5.0, sweep_interval = 300.0
+    [gates]                # window, min_tasks, miss_budget, confidence, objective, tolerance
+    [guardian]             # interval, max_outbox_age, max_lag, max_miss_rate, min_tasks, window
     [mapping]              # see bridge.mapping; defaults to the reference legacy schema
     table = "tasks"
 """
@@ -166,8 +169,8 @@ class SchedulerSettings:
     max_deliveries: int = 5
     max_depth: int = 10_000
     claim_interval: float = 5.0
-    #: Until the flag router decides per type, the phase the event path assumes for every type.
-    phase: str = "cutover"
+    #: A phase for every type, overriding the flags (benchmarks, tests); ``None``: the flags decide per type.
+    phase: str | None = None
     defaults: TypeSettings = field(default_factory=TypeSettings)
     types: tuple[tuple[str, TypeSettings], ...] = ()
 
@@ -178,7 +181,7 @@ class SchedulerSettings:
             _positive(getattr(self, name), f"scheduler.{name}")
         from bridge.routing import PHASES
 
-        if self.phase not in PHASES:
+        if self.phase is not None and self.phase not in PHASES:
             raise ConfigError(f"scheduler.phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
         _string(self.group, "scheduler.group")
 
@@ -187,6 +190,65 @@ class SchedulerSettings:
             if name == workflow_type:
                 return settings
         return self.defaults
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How running processes follow the flags (``[router]``)."""
+
+    #: Seconds between reads of the flag store: a phase change reaches every process within this.
+    refresh_interval: float = 1.0
+    #: In ``selective``, the poller dispatches a task of a canary instance only once it has been ready this
+    #: long (a few seconds above the event path's p99), recording path ``fallback``.
+    grace: float = 5.0
+    #: In ``cutover``, the safety sweep's interval.
+    sweep_interval: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("refresh_interval", "grace", "sweep_interval"):
+            _positive(getattr(self, name), f"router.{name}")
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """What the reconciler must show before a promotion (``[gates]``); per type overridable by flag thresholds."""
+
+    window: float = 3600.0           # seconds of history the gate looks at
+    min_tasks: int = 1000            # compared tasks needed
+    miss_budget: float = 0.001       # the miss rate's upper confidence bound must be below this
+    confidence: float = 0.95
+    objective: float = 1.0           # ready -> action latency above this is ``late``
+    tolerance: float = 10.0          # a task ready for less than this without an action is ``pending``
+
+    def __post_init__(self) -> None:
+        for name in ("window", "objective", "tolerance"):
+            _positive(getattr(self, name), f"gates.{name}")
+        _positive(self.min_tasks, "gates.min_tasks", integer=True)
+        for name in ("miss_budget", "confidence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+                raise ConfigError(f"gates.{name} must be between 0 and 1 (exclusive), got {value!r}")
+
+
+@dataclass(frozen=True)
+class GuardianSettings:
+    """When the guardian demotes a type to ``polling`` (``[guardian]``)."""
+
+    interval: float = 5.0
+    max_outbox_age: float = 60.0     # seconds the oldest unpublished outbox row may wait
+    max_lag: int = 10_000            # bus entries not yet consumed, over all partitions
+    max_miss_rate: float = 0.01      # fallback dispatches / event-path dispatches over ``window``
+    min_tasks: int = 50              # dispatches in the window before the miss rate is judged
+    window: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "max_outbox_age", "window"):
+            _positive(getattr(self, name), f"guardian.{name}")
+        for name in ("max_lag", "min_tasks"):
+            _positive(getattr(self, name), f"guardian.{name}", integer=True)
+        value = self.max_miss_rate
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+            raise ConfigError(f"guardian.max_miss_rate must be in (0, 1], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -200,6 +262,9 @@ class Settings:
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    gates: GateSettings = field(default_factory=GateSettings)
+    guardian: GuardianSettings = field(default_factory=GuardianSettings)
     config_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -253,7 +318,8 @@ def load_settings(
 
 def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
-    known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay", "scheduler"}
+    known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay", "scheduler", "router", "gates",
+             "guardian"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(unknown)}; "
@@ -266,6 +332,9 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     poller = _table(raw, "poller", {"interval", "batch_size"})
     workers = _table(raw, "workers", {"concurrency", "min_duration", "max_duration", "failure_rate",
                                       "idle_sleep"})
+    router = _table(raw, "router", {f.name for f in fields(RouterSettings)})
+    gates = _table(raw, "gates", {f.name for f in fields(GateSettings)})
+    guardian = _table(raw, "guardian", {f.name for f in fields(GuardianSettings)})
     mapping_raw = raw.get("mapping", {})
     if not isinstance(mapping_raw, Mapping):
         raise ConfigError("[mapping] must be a table")
@@ -279,6 +348,9 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
             scheduler=scheduler,
             poller=PollerSettings(**poller),
             workers=WorkerSettings(**workers),
+            router=RouterSettings(**router),
+            gates=GateSettings(**gates),
+            guardian=GuardianSettings(**guardian),
             mapping=TaskTableMapping.from_dict(mapping_raw),
         )
     except (TypeError, ValueError) as exc:  # a wrongly typed value reaching a dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class PollerMetrics:
@@ -27,6 +27,17 @@ class PollerMetrics:
         )
         self.retries = Counter(
             "pollbridge_poller_repended", "Failed tasks with attempts left put back to pending", registry=registry
+        )
+        self.sweeps = Counter("pollbridge_poller_sweeps", "Safety sweeps over cutover types", registry=registry)
+        self.fallback_misses = Counter(
+            "pollbridge_fallback_misses",
+            "Tasks the poller dispatched because the event path had not within the grace period",
+            ["workflow_type"],
+            registry=registry,
+        )
+        self.types_left_out = Gauge(
+            "pollbridge_poller_types_left_out", "Workflow types in cutover, left out of the regular scan",
+            registry=registry,
         )
         self.scan_seconds = Histogram(
             "pollbridge_poller_scan_seconds",

@@ -5,6 +5,13 @@ with the table) joined to at most ``batch_size`` ready tasks, so an empty poll s
 much it looked at. Each ready task is then dispatched through :func:`bridge.dispatch.dispatch`,
 which re-checks readiness in its UPDATE, so the poller can run beside any other dispatcher; a
 scan's ready tasks are dispatched with one UPDATE and one INSERT (:func:`bridge.dispatch.dispatch_many`).
+
+With a :class:`~bridge.flag_router.FlagRouter` the poller follows the phase of each workflow type
+(:mod:`legacy_poller.routing`): it leaves ``cutover`` types out of its scan, holds back a ``selective``
+canary's tasks for the grace period and records those it still finds as path ``fallback`` (each an
+event-path miss, counted in ``pollbridge_fallback_misses_total``), and :meth:`LegacyPoller.sweep_once`
+is the slow safety sweep over ``cutover`` types. The flags are re-read at most every router refresh
+interval; while the flag store is unreadable every type is ``polling`` here.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ from sqlalchemy.engine import Engine
 
 from bridge.db import db_now
 from bridge.dispatch import ReadyTask, dispatch_many
+from bridge.flag_router import FlagRouter
 from bridge.readiness import ready_predicate, ready_since
+from bridge.routing import Flag
 from bridge.tasktable import TaskTable
 from legacy_poller.metrics import PollerMetrics
+from legacy_poller.routing import owned_by_events, scan_filter, sweep_filter
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,7 @@ class ScanResult:
     dispatched: int
     repended: int
     seconds: float
+    fallback: int = 0
 
 
 class LegacyPoller:
@@ -47,19 +58,41 @@ class LegacyPoller:
         batch_size: int = 500,
         registry: CollectorRegistry | None = None,
         retry_failed: bool = True,
+        router: FlagRouter | None = None,
     ) -> None:
         self.engine = engine
         self.tables = tables
         self.batch_size = batch_size
         self.retry_failed = retry_failed and tables.has("attempts") and tables.has("max_attempts")
         self.metrics = PollerMetrics(registry if registry is not None else CollectorRegistry())
-        self._scan = self._build_scan()
+        self.router = router
+        self._scans: dict[tuple[str, frozenset[Flag]], sa.Select[Any] | None] = {}
 
-    def _build_scan(self) -> sa.Select[Any]:
+    def _flags(self) -> dict[str, Flag]:
+        if self.router is None:
+            return {}
+        if time.monotonic() - self.router.last_refresh >= self.router.refresh_interval:
+            self.router.refresh()  # no refresh thread (or a stalled one): the poller still follows the flags
+        return self.router.poller_flags()
+
+    def _scan_for(self, mode: str, flags: dict[str, Flag]) -> sa.Select[Any] | None:
+        relevant = frozenset(f for f in flags.values() if f.phase in ("selective", "cutover"))
+        key = (mode, relevant)
+        if key not in self._scans:
+            if len(self._scans) > 64:
+                self._scans.clear()
+            self._scans[key] = self._build_scan(mode, {f.workflow_type: f for f in relevant})
+        return self._scans[key]
+
+    def _build_scan(self, mode: str, flags: dict[str, Flag]) -> sa.Select[Any] | None:
         tt = self.tables
         t = tt.tasks
         src, workflow_type = tt.workflow_type_source(t)
+        routed = (sweep_filter if mode == "sweep" else scan_filter)(tt, t, workflow_type, flags)
+        if mode == "sweep" and routed is None:
+            return None  # no cutover type: nothing to sweep
         attempt = (tt.col("attempts") + 1) if tt.has("attempts") else sa.null()
+        where = ready_predicate(tt, t) if routed is None else sa.and_(ready_predicate(tt, t), routed)
         ready = (
             sa.select(
                 tt.col("id").label("task_id"),
@@ -70,27 +103,54 @@ class LegacyPoller:
                 ready_since(tt, t).label("ready_at"),
             )
             .select_from(src)
-            .where(ready_predicate(tt, t))
+            .where(where)
             .order_by(tt.col("id"))
             .limit(self.batch_size)
             .subquery("pb_ready")
         )
+        # What a poll examines: the pending rows of the types it still scans (so the work cutover saves
+        # shows in pollbridge_poller_rows_examined_total instead of being claimed).
+        cutover = sorted(name for name, f in flags.items() if f.phase == "cutover")
+        counted = tt.col("status") == tt.statuses.pending
+        count_src: sa.FromClause = t
+        if cutover:
+            count_src = src
+            if mode == "sweep":
+                counted = sa.and_(counted, workflow_type.in_(cutover))
+            else:
+                counted = sa.and_(counted, sa.or_(workflow_type.is_(None), workflow_type.not_in(cutover)))
         pending = (
             sa.select(sa.func.count().label("examined"))
-            .select_from(t)
-            .where(tt.col("status") == tt.statuses.pending)
+            .select_from(count_src)
+            .where(counted)
             .subquery("pb_pending")
         )
         return sa.select(pending.c.examined, *ready.c).select_from(pending.outerjoin(ready, sa.true()))
 
     def scan_once(self) -> ScanResult:
-        """Scan until a batch comes back short; dispatch everything found ready."""
+        """Scan until a batch comes back short; dispatch everything the flags let it (see the module doc)."""
+        flags = self._flags()
+        repended = self._repend_failed(flags) if self.retry_failed else 0
+        result = self._run("scan", flags, repended)
+        self.metrics.scans.inc()
+        if result.ready == 0:
+            self.metrics.empty_scans.inc()
+        return result
+
+    def sweep_once(self) -> ScanResult:
+        """The safety sweep: dispatch tasks of ``cutover`` types still ready after their grace period
+        (each an event-path miss, path ``fallback``). A no-op without cutover types."""
+        result = self._run("sweep", self._flags(), 0)
+        self.metrics.sweeps.inc()
+        return result
+
+    def _run(self, mode: str, flags: dict[str, Flag], repended: int) -> ScanResult:
         started = time.perf_counter()
-        examined = ready_total = dispatched = 0
-        repended = self._repend_failed() if self.retry_failed else 0
-        while True:
+        scan = self._scan_for(mode, flags)
+        examined = ready_total = dispatched = fallback = 0
+        while scan is not None:
             with self.engine.connect() as conn:
-                rows = conn.execute(self._scan).all()
+                rows = conn.execute(scan).all()
             examined += rows[0].examined if rows else 0
             ready = [
                 ReadyTask(r.task_id, r.instance_id, r.task_key, r.workflow_type, r.attempt, r.ready_at)
@@ -98,36 +158,51 @@ class LegacyPoller:
                 if r.task_id is not None
             ]
             ready_total += len(ready)
-            won = 0
+            missed = [task for task in ready if mode == "sweep" or self._is_fallback(flags, task)]
+            regular = [task for task in ready if not (mode == "sweep" or self._is_fallback(flags, task))]
+            won: list[ReadyTask] = []
+            won_fallback: list[ReadyTask] = []
             if ready:
                 with self.engine.begin() as conn:
-                    won = len(dispatch_many(conn, self.tables, ready, "poller"))
-            dispatched += won
-            self.metrics.lost_races.inc(len(ready) - won)
+                    won = dispatch_many(conn, self.tables, regular, "poller")
+                    won_fallback = dispatch_many(conn, self.tables, missed, "fallback")
+            # Counted after the commit: an observer reading the dispatch log right after sees the rows.
+            dispatched += len(won) + len(won_fallback)
+            fallback += len(won_fallback)
+            self.metrics.lost_races.inc(len(ready) - len(won) - len(won_fallback))
+            self.metrics.dispatches.labels(path="poller").inc(len(won))
+            if won_fallback:
+                self.metrics.dispatches.labels(path="fallback").inc(len(won_fallback))
+                for task in won_fallback:
+                    self.metrics.fallback_misses.labels(workflow_type=task.workflow_type or "").inc()
+                log.warning("%s dispatched %d task(s) the event path missed (path fallback): %s", mode,
+                            len(won_fallback), ", ".join(sorted({str(t.workflow_type) for t in won_fallback})))
             if len(ready) < self.batch_size:
                 break
         seconds = time.perf_counter() - started
-        self.metrics.scans.inc()
         self.metrics.rows_examined.inc(examined)
-        self.metrics.dispatches.labels(path="poller").inc(dispatched)
         self.metrics.scan_seconds.observe(seconds)
-        if ready_total == 0:
-            self.metrics.empty_scans.inc()
+        self.metrics.types_left_out.set(sum(1 for f in flags.values() if f.phase == "cutover"))
         if dispatched:
-            log.debug("scan dispatched %d of %d ready (%d pending examined)", dispatched, ready_total, examined)
-        return ScanResult(examined, ready_total, dispatched, repended, seconds)
+            log.debug("%s dispatched %d of %d ready (%d pending examined)", mode, dispatched, ready_total, examined)
+        return ScanResult(examined, ready_total, dispatched, repended, seconds, fallback)
 
-    def _repend_failed(self) -> int:
+    @staticmethod
+    def _is_fallback(flags: dict[str, Flag], task: ReadyTask) -> bool:
+        flag = flags.get(task.workflow_type or "")
+        return flag is not None and flag.poller_route(str(task.instance_id)) == "fallback"
+
+    def _repend_failed(self, flags: dict[str, Flag]) -> int:
         """The legacy scheduler's retry: a failed task with attempts left goes back to pending."""
         tt = self.tables
         values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.pending}
         if tt.has("updated_at"):
             values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
-        stmt = (
-            tt.tasks.update()
-            .where(tt.col("status") == tt.statuses.failed, tt.col("attempts") < tt.col("max_attempts"))
-            .values(values)
-        )
+        where = [tt.col("status") == tt.statuses.failed, tt.col("attempts") < tt.col("max_attempts")]
+        owned = owned_by_events(tt, tt.tasks, flags)
+        if owned is not None:  # the event scheduler retries those, with its backoff
+            where.append(sa.not_(owned))
+        stmt = tt.tasks.update().where(*where).values(values)
         with self.engine.begin() as conn:
             count = conn.execute(stmt).rowcount
         self.metrics.retries.inc(count)

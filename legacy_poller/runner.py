@@ -23,26 +23,43 @@ log = logging.getLogger(__name__)
 class PollerRunner:
     """Owns a background APScheduler that calls ``poller.scan_once`` every ``interval`` seconds."""
 
-    def __init__(self, poller: LegacyPoller, interval: float, on_error: Callable[[BaseException], None] | None = None):
+    def __init__(self, poller: LegacyPoller, interval: float, on_error: Callable[[BaseException], None] | None = None,
+                 *, sweep_interval: float | None = None, scan: bool = True):
+        """``sweep_interval``: also run the safety sweep over ``cutover`` types that often; ``scan=False``:
+        only the sweep (beside a poller of your own that calls ``pollbridge_poller_should_handle``)."""
         self.poller = poller
         self.interval = interval
         self.errors = 0
         self._on_error = on_error
         self._scheduler = BackgroundScheduler(timezone=UTC)
-        self._scheduler.add_job(
-            self._scan,
-            "interval",
-            seconds=interval,
-            id="pollbridge-poller-scan",
-            max_instances=1,
-            coalesce=True,
-            next_run_time=datetime.now(UTC),
-            misfire_grace_time=None,
-        )
+        if scan:
+            self._scheduler.add_job(
+                self._scan,
+                "interval",
+                seconds=interval,
+                id="pollbridge-poller-scan",
+                max_instances=1,
+                coalesce=True,
+                next_run_time=datetime.now(UTC),
+                misfire_grace_time=None,
+            )
+        if sweep_interval is not None:
+            self._scheduler.add_job(
+                self._sweep,
+                "interval",
+                seconds=sweep_interval,
+                id="pollbridge-poller-sweep",
+                max_instances=1,
+                coalesce=True,
+                misfire_grace_time=None,
+            )
         self._scheduler.add_listener(self._job_error, EVENT_JOB_ERROR)
 
     def _scan(self) -> None:
         self.poller.scan_once()
+
+    def _sweep(self) -> None:
+        self.poller.sweep_once()
 
     def _job_error(self, event: JobExecutionEvent) -> None:
         self.errors += 1

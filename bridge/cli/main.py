@@ -214,9 +214,22 @@ def poller() -> None:
 @poller.command("run")
 @click.option("--interval", type=click.FloatRange(0.01, 3600), default=None, envvar="POLLBRIDGE_POLL_INTERVAL",
               show_envvar=True, help="Seconds between scans [default from config: 10].")
+@click.option("--sweep-interval", type=click.FloatRange(0.01, 86400), default=None,
+              envvar="POLLBRIDGE_SWEEP_INTERVAL", show_envvar=True,
+              help="Seconds between safety sweeps over cutover types [default from config: router.sweep_interval].")
+@click.option("--sweep-only", is_flag=True, envvar="POLLBRIDGE_SWEEP_ONLY", show_envvar=True,
+              help="Only the safety sweep: for deployments that keep their own poller.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="POLLBRIDGE_METRICS_PORT",
+              show_envvar=True, help="Also serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.pass_context
-def poller_run(ctx: click.Context, interval: float | None) -> None:
-    """Scan the task table every INTERVAL seconds and dispatch ready tasks, until SIGTERM or Ctrl-C."""
+def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float | None, sweep_only: bool,
+               metrics_port: int | None) -> None:
+    """Scan the task table every INTERVAL seconds and dispatch ready tasks, following the flags, until
+    SIGTERM or Ctrl-C."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from bridge.flag_router import FlagRouter
+    from bridge.flags import FlagStore
     from bridge.tasktable import reflect_tables
     from legacy_poller.poller import LegacyPoller
     from legacy_poller.runner import PollerRunner
@@ -224,18 +237,29 @@ def poller_run(ctx: click.Context, interval: float | None) -> None:
     settings = settings_of(ctx)
     stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     engine = create_engine(settings.database_url)
+    router = None
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
-        poller_ = LegacyPoller(engine, tables, batch_size=settings.poller.batch_size)
+        registry = CollectorRegistry()
+        if metrics_port is not None:
+            start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+        router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
+                            refresh_interval=settings.router.refresh_interval, registry=registry).start()
+        poller_ = LegacyPoller(engine, tables, batch_size=settings.poller.batch_size, registry=registry,
+                               router=router)
         every = interval or settings.poller.interval
-        click.echo(f"poller scanning {settings.mapping.table} every {every} s on "
-                   f"{mask_url(settings.database_url)}", err=True)
-        PollerRunner(poller_, every).run_until(stop)
+        sweep_every = sweep_interval or settings.router.sweep_interval
+        click.echo(f"poller {'sweeping' if sweep_only else 'scanning'} {settings.mapping.table} every "
+                   f"{sweep_every if sweep_only else every} s on {mask_url(settings.database_url)}", err=True)
+        PollerRunner(poller_, every, sweep_interval=sweep_every, scan=not sweep_only).run_until(stop)
         m = poller_.metrics
         click.echo(f"poller stopped: {int(m.value('pollbridge_poller_scans_total'))} scans, "
-                   f"{int(m.value('pollbridge_poller_dispatches_total', {'path': 'poller'}))} dispatches", err=True)
+                   f"{int(m.value('pollbridge_poller_dispatches_total', {'path': 'poller'}))} dispatches, "
+                   f"{int(m.value('pollbridge_poller_dispatches_total', {'path': 'fallback'}))} fallback", err=True)
     finally:
+        if router is not None:
+            router.stop()
         engine.dispose()
 
 
@@ -291,14 +315,17 @@ def scheduler() -> None:
               show_envvar=True, help="Also serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--phase", type=click.Choice(["polling", "dual_write", "selective", "cutover"]), default=None,
               envvar="POLLBRIDGE_SCHEDULER_PHASE", show_envvar=True,
-              help="Phase assumed for every workflow type [default from config: cutover].")
+              help="Assume this phase for every workflow type instead of following the flags (benchmarks, tests) "
+                   "[default from config: follow the flags].")
 @click.pass_context
 def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | None) -> None:
     """Consume task events and dispatch ready tasks, until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     from bridge.bus import open_bus
-    from bridge.routing import FixedRouter
+    from bridge.flag_router import FlagRouter
+    from bridge.flags import FlagStore
+    from bridge.routing import EventRouter, FixedRouter
     from bridge.tasktable import reflect_tables
     from event_scheduler.scheduler import EventScheduler
 
@@ -306,6 +333,7 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
     stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     engine = create_engine(settings.database_url)
     bus = None
+    flag_router = None
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
@@ -314,19 +342,47 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
         registry = CollectorRegistry()
         if metrics_port is not None:
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-        router = FixedRouter(phase or settings.scheduler.phase)  # type: ignore[arg-type]
+        fixed = phase or settings.scheduler.phase
+        router: EventRouter
+        if fixed is not None:
+            router = FixedRouter(fixed)  # type: ignore[arg-type]
+        else:
+            flag_router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
+                                     refresh_interval=settings.router.refresh_interval, registry=registry).start()
+            router = flag_router
         sched = EventScheduler(engine, tables, bus, settings.scheduler, router,
                                visibility_timeout=settings.bus.visibility_timeout, registry=registry)
+        if flag_router is not None:
+            flag_router.on_change(lambda old, new: _catch_up_on_promotion(sched, old, new))
         click.echo(f"scheduler {sched.holder} on {mask_url(settings.database_url)} <- {mask_url(settings.bus_url)}, "
-                   f"phase {router.phase}", err=True)
+                   f"{'phase ' + fixed if fixed else 'following the flags'}", err=True)
         sched.run(stop)
         dispatched = sum(s.value for m in registry.collect() if m.name == "pollbridge_scheduler_dispatches"
                          for s in m.samples if s.name.endswith("_total"))
         click.echo(f"scheduler stopped: {int(dispatched)} dispatched", err=True)
     finally:
+        if flag_router is not None:
+            flag_router.stop()
         if bus is not None:
             bus.close()
         engine.dispose()
+
+
+def _catch_up_on_promotion(sched: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """When the event path becomes responsible for more instances (a type entering selective or cutover,
+    or a larger percentage), tasks that were already ready produce no new event: catch up from the
+    database so none waits for the safety sweep."""
+    from bridge.routing import Flag
+
+    def share(flag: Flag | None) -> float:
+        if flag is None or flag.phase in ("polling", "dual_write"):
+            return 0.0
+        return 100.0 if flag.phase == "cutover" or flag.percent is None else flag.percent
+
+    if any(share(flag) > share(old.get(name)) for name, flag in new.items()):
+        request = getattr(sched, "request_catch_up", None)
+        if request is not None:
+            request()
 
 
 @cli.command("signal")
@@ -487,6 +543,16 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
         click.echo(f"workers stopped: {stats.completed} completed, {stats.failed} failed", err=True)
     finally:
         engine.dispose()
+
+
+def _register() -> None:
+    from bridge.cli.flags import flags, rollback_cmd
+
+    cli.add_command(flags)
+    cli.add_command(rollback_cmd)
+
+
+_register()
 
 
 def main() -> None:

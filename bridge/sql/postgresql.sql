@@ -45,3 +45,34 @@ DROP TRIGGER IF EXISTS $name ON $table
 
 -- name: drop_function
 DROP FUNCTION IF EXISTS pollbridge_capture() CASCADE
+
+-- Routing (migration 0005). The bucket is the frozen hash documented in bridge/routing.py: the first
+-- 32 bits of md5(workflow_type || '/' || instance_id), modulo 10000. Never change it: instances
+-- would move in and out of a selective percentage.
+
+-- name: bucket_function
+CREATE OR REPLACE FUNCTION pollbridge_bucket(workflow_type text, instance_id text) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$$$
+  SELECT (('x' || substr(md5(coalesce(workflow_type, '') || '/' || instance_id), 1, 8))::bit(32)::bigint
+          % 10000)::integer
+$$$$
+
+-- name: should_handle_function
+CREATE OR REPLACE FUNCTION pollbridge_poller_should_handle(workflow_type text, instance_id text,
+                                                           ready_since timestamptz) RETURNS boolean
+LANGUAGE sql STABLE AS $$$$
+  SELECT CASE coalesce(f.phase, 'polling')
+    WHEN 'selective' THEN
+      NOT (f.percent IS NULL OR pollbridge_bucket($$1, $$2) < round(f.percent * 100))
+      OR $$3 IS NULL OR $$3 <= clock_timestamp() - make_interval(secs => f.grace_seconds)
+    WHEN 'cutover' THEN false
+    ELSE true
+  END
+  FROM (SELECT 1) AS one LEFT JOIN pollbridge_flags AS f ON f.workflow_type = $$1
+$$$$
+
+-- name: drop_should_handle_function
+DROP FUNCTION IF EXISTS pollbridge_poller_should_handle(text, text, timestamptz)
+
+-- name: drop_bucket_function
+DROP FUNCTION IF EXISTS pollbridge_bucket(text, text)

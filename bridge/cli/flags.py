@@ -1,0 +1,238 @@
+"""``pollbridge flags list|set|history`` and ``pollbridge rollback``: what operators touch.
+
+Exit codes: 0 done (or nothing to change), 1 a gate refused the promotion, 2 bad input (unknown
+phase, bad type name or percentage, a skipped step without ``--force``, a missing reason). Nothing
+is written unless the whole change is valid and allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import sqlalchemy as sa
+from rich.console import Console
+from rich.table import Table
+
+from bridge.db import check_connection, create_engine, read_only
+from bridge.exceptions import FlagError, GateRefused
+from bridge.flags import FlagChange, FlagStore, describe, validate_type_name
+from bridge.promotion import GateResult, default_actor, rollback, set_phase
+from bridge.routing import PHASES, Flag
+from bridge.tasktable import TaskTable, reflect_tables
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
+                           help="Machine-readable output.")
+ACTOR_OPTION = click.option("--actor", default=None, envvar="POLLBRIDGE_ACTOR", show_envvar=True,
+                            help="Who makes the change [default: the operating-system user].")
+
+
+def _settings(ctx: click.Context) -> Any:
+    from bridge.cli.main import settings_of
+
+    return settings_of(ctx)
+
+
+def _known_types(engine: Any, tt: TaskTable) -> list[str]:
+    src, workflow_type = tt.workflow_type_source(tt.tasks)
+    with read_only(engine).connect() as conn:
+        return sorted(str(v) for v in conn.execute(sa.select(workflow_type).select_from(src).distinct()).scalars()
+                      if v is not None)
+
+
+def _flag_json(flag: Flag, source: str) -> dict[str, Any]:
+    return {"workflow_type": flag.workflow_type, "phase": flag.phase, "percent": flag.percent,
+            "grace_seconds": flag.grace_seconds, "thresholds": flag.thresholds,
+            "updated_at": flag.updated_at.isoformat() if flag.updated_at else None,
+            "updated_by": flag.updated_by, "source": source}
+
+
+@click.group()
+def flags() -> None:
+    """Per-workflow-type phases: polling -> dual_write -> selective -> cutover."""
+
+
+@flags.command("list")
+@JSON_OPTION
+@click.pass_context
+def flags_list(ctx: click.Context, as_json: bool) -> None:
+    """Every workflow type with its phase (types seen in the task table without a flag are polling)."""
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        check_connection(engine)
+        store = FlagStore(engine, default_grace=settings.router.grace)
+        stored = store.all()
+        tt = reflect_tables(engine, settings.mapping)
+        rows = [(stored[name], "flag") if name in stored else (Flag(name, grace_seconds=settings.router.grace),
+                                                               "default")
+                for name in sorted(set(stored) | set(_known_types(engine, tt)))]
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps({"flags": [_flag_json(f, src) for f, src in rows]}, indent=2))
+        return
+    table = Table("workflow type", "phase", "percent", "grace (s)", "changed", "by", title="flags")
+    for flag, source in rows:
+        table.add_row(flag.workflow_type, flag.phase + (" (no flag)" if source == "default" else ""),
+                      "" if flag.phase != "selective" else ("100" if flag.percent is None else f"{flag.percent:g}"),
+                      f"{flag.grace_seconds:g}", flag.updated_at.isoformat(timespec="seconds") if flag.updated_at
+                      else "", flag.updated_by or "")
+    Console().print(table)
+
+
+def _parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in values:
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise FlagError(f"--threshold takes NAME=VALUE, got {item!r}")
+        try:
+            out[name.strip()] = float(raw)
+        except ValueError:
+            raise FlagError(f"--threshold {name.strip()}: {raw!r} is not a number") from None
+    return out
+
+
+def _print_gate(gate: GateResult) -> None:
+    click.echo(f"gate {gate.workflow_type} -> {gate.target}:", err=True)
+    for c in gate.criteria:
+        click.echo(f"  [{'pass' if c.passed else 'FAIL'}] {c.name}: {c.detail}", err=True)
+
+
+@flags.command("set")
+@click.argument("workflow_type")
+@click.argument("phase")
+@click.option("--percent", type=float, default=None, envvar="POLLBRIDGE_FLAG_PERCENT", show_envvar=True,
+              help="selective only: the share of instances (0-100, stable hash) the event path owns.")
+@click.option("--reason", default=None, envvar="POLLBRIDGE_FLAG_REASON", show_envvar=True,
+              help="Why (required; kept in the audit trail).")
+@ACTOR_OPTION
+@click.option("--force", is_flag=True, envvar="POLLBRIDGE_FLAG_FORCE", show_envvar=True,
+              help="Override a refused gate or a skipped step (audited as forced).")
+@click.option("--grace", type=float, default=None, envvar="POLLBRIDGE_FLAG_GRACE", show_envvar=True,
+              help="Seconds a canary task may wait before the poller dispatches it as a fallback "
+                   "[default from config: router.grace].")
+@click.option("--threshold", "thresholds", multiple=True, metavar="NAME=VALUE", envvar="POLLBRIDGE_FLAG_THRESHOLDS",
+              show_envvar=True, help="Per-type gate/guardian threshold override (repeatable): min_tasks, miss_budget, "
+                                     "objective, tolerance, max_outbox_age, max_lag, max_miss_rate.")
+@JSON_OPTION
+@click.pass_context
+def flags_set(ctx: click.Context, workflow_type: str, phase: str, percent: float | None, reason: str | None,
+              actor: str | None, force: bool, grace: float | None, thresholds: tuple[str, ...], as_json: bool) -> None:
+    """Move WORKFLOW_TYPE to PHASE (one of polling, dual_write, selective, cutover)."""
+    validate_type_name(workflow_type)
+    if phase not in PHASES:
+        raise FlagError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
+    if not (reason or "").strip():
+        raise FlagError("a reason is required (--reason): every flag change is audited with why it was made")
+    parsed = _parse_thresholds(thresholds)
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        check_connection(engine)
+        store = FlagStore(engine, default_grace=settings.router.grace)
+        tt = reflect_tables(engine, settings.mapping)
+        if workflow_type not in store.all() and workflow_type not in _known_types(engine, tt) and not force:
+            raise FlagError(f"unknown workflow type {workflow_type!r}: no task of that type in "
+                            f"{settings.mapping.table!r}; check the name, or pass --force to set it ahead of its tasks")
+        grace_value = grace if grace is not None else (settings.router.grace
+                                                       if workflow_type not in store.all() else None)
+        try:
+            outcome = set_phase(engine, tt, store, settings.gates, workflow_type, phase, reason=reason or "",
+                                actor=actor, percent=percent, force=force, grace_seconds=grace_value,
+                                thresholds=parsed)
+        except GateRefused as refused:
+            if isinstance(refused.gate, GateResult):
+                if as_json:
+                    click.echo(json.dumps({"changed": False, "gate": refused.gate.to_json()}, indent=2))
+                else:
+                    _print_gate(refused.gate)
+            raise
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps({"changed": outcome.change is not None,
+                               "change": outcome.change.to_json() if outcome.change else None,
+                               "gate": outcome.gate.to_json() if outcome.gate else None}, indent=2))
+        return
+    if outcome.gate is not None:
+        _print_gate(outcome.gate)
+    if outcome.change is None:
+        click.echo(f"{workflow_type} already {describe(outcome.old)}: nothing changed")
+        return
+    c = outcome.change
+    target = describe(Flag(workflow_type, c.new_phase, c.new_percent))  # type: ignore[arg-type]
+    click.echo(f"{workflow_type}: {describe(outcome.old)} -> {target}"
+               f"{' (forced)' if c.forced else ''} by {c.actor}")
+
+
+def _change_line(c: FlagChange) -> str:
+    old = describe(Flag(c.workflow_type, c.old_phase, c.old_percent))  # type: ignore[arg-type]
+    new = describe(Flag(c.workflow_type, c.new_phase, c.new_percent))  # type: ignore[arg-type]
+    return f"{old} -> {new}"
+
+
+@flags.command("history")
+@click.argument("workflow_type", required=False)
+@click.option("--limit", type=click.IntRange(1, 1_000_000), default=100, envvar="POLLBRIDGE_HISTORY_LIMIT",
+              show_envvar=True, help="Most recent changes shown.")
+@JSON_OPTION
+@click.pass_context
+def flags_history(ctx: click.Context, workflow_type: str | None, limit: int, as_json: bool) -> None:
+    """The audit trail: every flag change with actor, reason, old and new value, time."""
+    if workflow_type is not None:
+        validate_type_name(workflow_type)
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        check_connection(engine)
+        changes = FlagStore(engine).history(workflow_type, limit=limit)
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps({"changes": [c.to_json() for c in changes]}, indent=2))
+        return
+    table = Table("time", "workflow type", "action", "change", "actor", "forced", "reason", title="flag history")
+    for c in changes:
+        table.add_row(c.changed_at.isoformat(timespec="seconds"), c.workflow_type, c.action, _change_line(c), c.actor,
+                      "yes" if c.forced else "", c.reason)
+    Console(width=160).print(table)
+
+
+@click.command("rollback")
+@click.argument("workflow_type", required=False)
+@click.option("--all", "all_types", is_flag=True, envvar="POLLBRIDGE_ROLLBACK_ALL", show_envvar=True,
+              help="Every workflow type that is not in polling.")
+@click.option("--reason", default=None, envvar="POLLBRIDGE_FLAG_REASON", show_envvar=True,
+              help="Why (required; kept in the audit trail).")
+@ACTOR_OPTION
+@JSON_OPTION
+@click.pass_context
+def rollback_cmd(ctx: click.Context, workflow_type: str | None, all_types: bool, reason: str | None,
+                 actor: str | None, as_json: bool) -> None:
+    """Return WORKFLOW_TYPE (or --all) to polling at once. Never gated; every running process follows
+    within one refresh interval."""
+    if (workflow_type is None) == (not all_types):
+        raise FlagError("give one workflow type or --all")
+    if workflow_type is not None:
+        validate_type_name(workflow_type)
+    if not (reason or "").strip():
+        raise FlagError("a reason is required (--reason): every flag change is audited with why it was made")
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)
+    try:
+        check_connection(engine)
+        store = FlagStore(engine, default_grace=settings.router.grace)
+        changes = rollback(store, None if all_types else [workflow_type or ""], reason=reason or "",
+                           actor=actor or default_actor())
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps({"changes": [c.to_json() for c in changes]}, indent=2))
+        return
+    if not changes:
+        click.echo("no workflow type outside polling: nothing to roll back")
+    for c in changes:
+        click.echo(f"{c.workflow_type}: {_change_line(c)} (rollback by {c.actor})")

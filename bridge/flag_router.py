@@ -1,0 +1,143 @@
+"""The flag router: every running process's view of the flags, refreshed within one poll interval.
+
+A :class:`FlagRouter` keeps the flags in memory and re-reads the store every ``refresh_interval``
+seconds from a background thread (or when a caller asks, :meth:`refresh`), so a phase change takes
+effect in every relay, scheduler and poller without a restart, and the hot paths (asked per ready
+task) never touch the database.
+
+When the store cannot be read, the two paths fail safe in opposite directions, so a type is never
+left without a dispatcher: the poller's view (:meth:`poller_flags`) treats every type as ``polling``
+(authoritative) until a read succeeds again, while the event path keeps the last flags it read
+(both dispatch through the same compare-and-set, so the overlap can never dispatch twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from bridge.exceptions import FlagStoreUnavailable
+from bridge.flags import FlagStore
+from bridge.routing import PHASES, EventRoute, Flag, poller_should_handle
+
+log = logging.getLogger(__name__)
+
+ChangeListener = Callable[[dict[str, Flag], dict[str, Flag]], None]
+
+
+class FlagRouter:
+    """Implements :class:`bridge.routing.EventRouter` from the stored flags."""
+
+    def __init__(self, store: FlagStore, *, refresh_interval: float = 1.0,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.store = store
+        self.refresh_interval = refresh_interval
+        self._lock = threading.Lock()
+        self._flags: dict[str, Flag] = {}
+        self._healthy = False
+        self._listeners: list[ChangeListener] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_refresh = 0.0
+        registry = registry if registry is not None else CollectorRegistry()
+        self._phase_gauge = Gauge("pollbridge_flag_phase", "1 for the current phase of each workflow type with a flag",
+                                  ["workflow_type", "phase"], registry=registry)
+        self._percent_gauge = Gauge("pollbridge_flag_percent", "Selective percentage of each workflow type "
+                                    "(100 when all instances)", ["workflow_type"], registry=registry)
+        self._store_up = Gauge("pollbridge_flag_store_up", "1 when the last read of the flag store succeeded",
+                               registry=registry)
+
+    # --- reading -------------------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Re-read the store; ``False`` (and the poller view falls back to ``polling``) when it cannot."""
+        try:
+            fresh = self.store.all()
+        except FlagStoreUnavailable as exc:
+            with self._lock:
+                was_healthy, self._healthy = self._healthy, False
+            self._store_up.set(0)
+            if was_healthy:
+                log.error("%s; pollers treat every workflow type as polling until it can be read", exc)
+            return False
+        with self._lock:
+            old, self._flags = self._flags, fresh
+            recovered = not self._healthy
+            self._healthy = True
+            self.last_refresh = time.monotonic()
+            listeners = list(self._listeners)
+        self._store_up.set(1)
+        if recovered and self.last_refresh:
+            log.info("flag store readable: %d workflow type(s) with a flag", len(fresh))
+        self._export(fresh)
+        if old != fresh:
+            for listener in listeners:
+                try:
+                    listener(old, fresh)
+                except Exception:  # a listener's bug must not stop the router
+                    log.exception("flag change listener failed")
+        return True
+
+    def _export(self, fresh: dict[str, Flag]) -> None:
+        for name, flag in fresh.items():
+            for phase in PHASES:
+                self._phase_gauge.labels(workflow_type=name, phase=phase).set(1 if phase == flag.phase else 0)
+            self._percent_gauge.labels(workflow_type=name).set(100 if flag.percent is None else flag.percent)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def flag(self, workflow_type: str | None) -> Flag:
+        """The flag of a type as this process sees it (``polling`` without a row)."""
+        with self._lock:
+            found = self._flags.get(workflow_type or "")
+        return found or Flag(workflow_type or "", grace_seconds=self.store.default_grace)
+
+    def flags(self) -> dict[str, Flag]:
+        with self._lock:
+            return dict(self._flags)
+
+    def poller_flags(self) -> dict[str, Flag]:
+        """The flags a poller acts on: none (every type ``polling``) while the store is unreadable."""
+        with self._lock:
+            return dict(self._flags) if self._healthy else {}
+
+    def event_route(self, workflow_type: str | None, instance_id: str) -> EventRoute:
+        return self.flag(workflow_type).event_route(instance_id)
+
+    def poller_should_handle(self, workflow_type: str | None, instance_id: str, ready_since: datetime | None,
+                             now: datetime) -> bool:
+        """For your own poller: whether it should dispatch this ready task now (see :mod:`bridge.routing`)."""
+        flag = self.poller_flags().get(workflow_type or "")
+        return poller_should_handle(flag, instance_id, ready_since, now)
+
+    def on_change(self, listener: ChangeListener) -> None:
+        """Call ``listener(old, new)`` after a refresh that saw different flags."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    # --- the refresh thread --------------------------------------------------------------------------
+    def start(self) -> FlagRouter:
+        """Read once now, then refresh in a daemon thread until :meth:`stop`."""
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, name="pollbridge-flag-router", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.refresh_interval):
+            try:
+                self.refresh()
+            except Exception:  # never let the thread die: the paths would stop following the flags
+                log.exception("flag refresh failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

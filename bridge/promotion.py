@@ -1,0 +1,197 @@
+"""Moving a workflow type between phases: one step at a time, promotions gated by the reconciler.
+
+Promotion (``polling`` -> ``dual_write`` -> ``selective`` -> ``cutover``, and raising a ``selective``
+percentage) is refused unless the gate for the target passes; ``force`` with a reason overrides it
+and the audit row records that it was forced and what the gate said. Skipping a step needs
+``force`` too. Demotion and rollback are never gated: the way back must always be open.
+
+The gates:
+
+* entering ``dual_write``: the capture triggers are installed on the task table (the event path can
+  only shadow what it sees);
+* entering ``selective``, raising its percentage, entering ``cutover``: the reconciler over the gate
+  window, counting only evidence gathered since the type's current phase began, shows at least
+  ``min_tasks`` compared tasks, no ``early`` and no ``duplicate`` action, and an upper confidence bound
+  of the miss rate below ``miss_budget``. A type's flag thresholds override ``[gates]``.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from bridge.capture import capture_status
+from bridge.db import db_now, read_only
+from bridge.exceptions import FlagError, GateRefused
+from bridge.flags import FlagChange, FlagStore, describe, validate_percent, validate_phase, validate_reason
+from bridge.reconcile import count_by_type, miss_rate_upper
+from bridge.routing import PHASES, Flag, Phase
+from bridge.settings import GateSettings
+from bridge.tasktable import TaskTable
+
+RANK = {phase: i for i, phase in enumerate(PHASES)}
+
+
+@dataclass(frozen=True)
+class Criterion:
+    name: str
+    passed: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class GateResult:
+    workflow_type: str
+    target: str
+    criteria: tuple[Criterion, ...]
+    counts: dict[str, int]
+    since: datetime | None = None
+    until: datetime | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.criteria)
+
+    @property
+    def failed(self) -> list[Criterion]:
+        return [c for c in self.criteria if not c.passed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workflow_type": self.workflow_type, "target": self.target, "passed": self.passed,
+            "criteria": [c.to_json() for c in self.criteria], "counts": self.counts,
+            "window": {"since": self.since.isoformat() if self.since else None,
+                       "until": self.until.isoformat() if self.until else None},
+        }
+
+
+def default_actor() -> str:
+    """The operating-system user (flag changes always carry an actor)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry (containers): still an actor, never blank
+        return f"uid:{os.getuid()}"
+
+
+def db_clock(engine: Engine) -> datetime:
+    with read_only(engine).connect() as conn:
+        value = conn.execute(sa.select(db_now(engine.dialect.name))).scalar_one()
+    parsed = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+
+
+def _threshold(flag: Flag, settings: GateSettings, name: str) -> float:
+    return float(flag.thresholds.get(name, getattr(settings, name)))
+
+
+def is_promotion(old: Flag, phase: Phase, percent: float | None) -> bool:
+    if RANK[phase] != RANK[old.phase]:
+        return RANK[phase] > RANK[old.phase]
+    if phase == "selective":
+        return (100.0 if percent is None else percent) > (100.0 if old.percent is None else old.percent)
+    return False
+
+
+def evaluate_gate(engine: Engine, tt: TaskTable, flag: Flag, target: Phase, settings: GateSettings,
+                  *, now: datetime | None = None) -> GateResult:
+    """The gate for moving ``flag``'s type into ``target`` (see the module docstring)."""
+    name = flag.workflow_type
+    if target == "dual_write":
+        with read_only(engine).connect() as conn:
+            installed, detail = capture_status(conn, tt)
+        return GateResult(name, target, (Criterion("capture_installed", installed, detail),), {})
+    until = now or db_clock(engine)
+    since = until - timedelta(seconds=settings.window)
+    began = _aware(flag.updated_at)
+    if began is not None and began > since:
+        since = began  # evidence of the current phase only
+    counts = count_by_type(engine, tt, since, until, types=[name],
+                           objective=_threshold(flag, settings, "objective"),
+                           tolerance=_threshold(flag, settings, "tolerance")).get(name)
+    raw = dict(counts.counts) if counts is not None else {}
+    compared = counts.compared if counts is not None else 0
+    missing = raw.get("missing", 0)
+    min_tasks = int(_threshold(flag, settings, "min_tasks"))
+    budget = _threshold(flag, settings, "miss_budget")
+    upper = miss_rate_upper(missing, compared, settings.confidence)
+    criteria = (
+        Criterion("min_tasks", compared >= min_tasks, f"{compared} compared task(s), need {min_tasks}"),
+        Criterion("no_early", raw.get("early", 0) == 0, f"{raw.get('early', 0)} early action(s)"),
+        Criterion("no_duplicate", raw.get("duplicate", 0) == 0, f"{raw.get('duplicate', 0)} duplicate dispatch(es)"),
+        Criterion("miss_rate", upper < budget,
+                  f"{missing} miss(es) in {compared}: upper {settings.confidence:.0%} bound {upper:.4%}, "
+                  f"budget {budget:.4%}"),
+    )
+    return GateResult(name, target, criteria, {**raw, "compared": compared}, since, until)
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    change: FlagChange | None  # None: already in that phase, nothing written
+    gate: GateResult | None
+    old: Flag
+
+
+def set_phase(engine: Engine, tt: TaskTable | None, store: FlagStore, settings: GateSettings, workflow_type: str,
+              phase: str, *, reason: str, actor: str | None = None, percent: float | None = None,
+              force: bool = False, grace_seconds: float | None = None,
+              thresholds: dict[str, Any] | None = None) -> Outcome:
+    """Validate, gate and write one flag change (see the module docstring). Raises :class:`FlagError`
+    (bad input, exit 2) or :class:`GateRefused` (exit 1); nothing is written then."""
+    target = validate_phase(phase)
+    percent = validate_percent(percent, target)
+    reason = validate_reason(reason)
+    actor = validate_reason(actor or default_actor(), "actor")
+    old = store.get(workflow_type)
+    if (old.phase, old.percent) == (target, percent) and not thresholds and grace_seconds is None:
+        return Outcome(None, None, old)
+    if RANK[target] > RANK[old.phase] + 1 and not force:
+        step = PHASES[RANK[old.phase] + 1]
+        raise FlagError(f"{workflow_type} is in {describe(old)}: promote one step at a time (next: {step}); "
+                        "skipping a step needs --force")
+    gate = None
+    if is_promotion(old, target, percent):
+        if tt is None:
+            raise FlagError("cannot evaluate the gate without the task table mapping")
+        gate = evaluate_gate(engine, tt, old, target, settings)
+        if not gate.passed and not force:
+            failed = "; ".join(f"{c.name}: {c.detail}" for c in gate.failed)
+            refused = GateRefused(f"gate refused {workflow_type} {describe(old)} -> {target}: {failed} "
+                                  "(gather more evidence, or --force with a reason)")
+            refused.gate = gate
+            raise refused
+    change = store.change(workflow_type, target, actor=actor, reason=reason, percent=percent,
+                          grace_seconds=grace_seconds, thresholds=thresholds, forced=force,
+                          gate=gate.to_json() if gate is not None else None, expected=old)
+    return Outcome(change, gate, old)
+
+
+def rollback(store: FlagStore, workflow_types: Sequence[str] | None, *, reason: str, actor: str | None = None,
+             action: str = "rollback") -> list[FlagChange]:
+    """Return types to ``polling`` (``None``: every type with a flag that is not ``polling``). Never gated.
+
+    A rollback of a type already in ``polling`` is still recorded: it is the rehearsal ``preflight``
+    asks for."""
+    reason = validate_reason(reason)
+    actor = validate_reason(actor or default_actor(), "actor")
+    if workflow_types is None:
+        names = sorted(name for name, flag in store.all().items() if flag.phase != "polling")
+    else:
+        names = list(workflow_types)
+    return [store.change(name, "polling", actor=actor, reason=reason, action=action) for name in names]
