@@ -1,32 +1,48 @@
 """Event path vs. poller, end to end on PostgreSQL + Redis: ready → dispatch latency and throughput.
 
-    python -m bench.scheduler [--rate 500] [--seconds 20] [--poll-interval 1.0] [--schedulers 2] [--quick] [--json F]
+    python -m bench.scheduler [--rate 500] [--seconds 20] [--poll-interval 1.0] [--schedulers 2] [--quick]
+                              [--skip-poller] [--skip-throughput] [--profile DIR] [--json F]
+    python -m bench.scheduler --soak-minutes 60 [--soak-rate 200] [--schedulers 1] [--json F]
 
 Processes: ``pollbridge relay run`` and ``--schedulers`` x ``pollbridge scheduler run`` (phase cutover),
-or ``pollbridge poller run`` for the comparison, each its own process. The bench process plays the
-workers: it completes dispatched tasks (queued → completed) of chain workflows, so each completion
-makes the next task of the chain ready. Latency is computed in SQL from the dispatch log
-(``dispatched_at - ready_at``, both from the database clock).
+or ``pollbridge poller run`` for the comparison, each its own process; they die with the bench (SIGTERM
+on exit, on Ctrl-C, on SIGTERM/SIGHUP of the bench, and through ``PR_SET_PDEATHSIG`` even when the bench
+is killed with SIGKILL). The bench process plays the workers: it completes dispatched tasks (queued →
+completed) of chain workflows, so each completion makes the next task of the chain ready.
 
-1. *Latency*: completions paced at ``--rate`` per second for ``--seconds``.
+Latency is computed in SQL from the dispatch log (``dispatched_at - ready_at``, both from the database
+clock) over the tasks that *became ready inside the measured window* (the seeding burst that dispatches
+the chains' first tasks is not measured); after the window the bench waits until every task that became
+ready was dispatched (a task still ready and not dispatched after 30 s is reported as ``stranded``).
+
+1. *Latency*: completions paced at ``--rate`` per second for ``--seconds``; also per second of the
+   window (``per_second`` in the JSON), so a stall shows.
 2. *Throughput*: completions as fast as the completer can go for ``--seconds``; task transitions/s
-   counts both the dispatch (pending → queued) and the completion (queued → completed).
+   counts the dispatches (pending → queued) and completions (queued → completed) inside the window.
 3. *Memory*: the schedulers' resident set size at the start and the end of the run.
+
+``--profile DIR`` records each scheduler with py-spy during the latency phase (collapsed stacks,
+``DIR/schedulerN.txt``). ``--soak-minutes N`` runs only a soak: completions at ``--soak-rate``/s with
+new chains seeded every second, sampling each scheduler's RSS and the minute's latency every minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,8 +56,38 @@ from bridge.settings import CaptureSettings
 
 COMPLETE_BATCH = """
 UPDATE tasks SET status = 'completed', completed_at = clock_timestamp(), updated_at = clock_timestamp()
-WHERE id IN (SELECT id FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED)
+WHERE id IN (SELECT id FROM tasks WHERE status = 'queued' AND instance_id LIKE :p || '%'
+             ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED)
 """
+
+#: Chain tasks that are ready (pending, predecessor completed) but not dispatched.
+READY_NOT_DISPATCHED = """
+SELECT count(*) FROM tasks t JOIN tasks d ON d.instance_id = t.instance_id AND d.task_key = t.depends_on ->> 0
+WHERE t.status = 'pending' AND d.status = 'completed' AND t.instance_id LIKE :p || '%'
+"""
+
+LATENCY_SQL = """
+SELECT extract(epoch FROM dispatched_at - ready_at) * 1000 FROM pollbridge_dispatch_log
+WHERE path = :path AND instance_id LIKE :p || '%' AND ready_at >= :t0 AND ready_at < :t1
+"""
+
+PER_SECOND_SQL = """
+SELECT floor(extract(epoch FROM ready_at - :t0))::int AS s, count(*),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM dispatched_at - ready_at) * 1000),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM dispatched_at - ready_at) * 1000),
+       max(extract(epoch FROM dispatched_at - ready_at) * 1000)
+FROM pollbridge_dispatch_log
+WHERE path = :path AND instance_id LIKE :p || '%' AND ready_at >= :t0 AND ready_at < :t1
+GROUP BY 1 ORDER BY 1
+"""
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the bench dies, however it dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -54,61 +100,90 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 class Processes:
     def __init__(self, url: str, namespace: str) -> None:
-        self.workdir = tempfile.mkdtemp()
+        self.workdir = tempfile.mkdtemp(prefix="pbbench-")
+        # The relay's defaults, spelled out: while busy it polls the outbox every 2 ms; after 200 ms idle
+        # it arms the capture trigger's NOTIFY and waits for it (1 s fallback probe).
         Path(self.workdir, "pollbridge.toml").write_text(
-            f'[bus]\nnamespace = "{namespace}"\n[scheduler]\nphase = "cutover"\nbatch_size = 1000\n')
+            f'[bus]\nnamespace = "{namespace}"\n'
+            '[relay]\npoll_interval = 0.002\narm_after = 0.2\nfallback_interval = 1.0\n'
+            '[scheduler]\nphase = "cutover"\nbatch_size = 1000\n')
         self.env = {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
         self.exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.namespace = namespace
+        atexit.register(self.stop)
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(Path(self.workdir, f"{name}.log"), "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([self.exe, "--log-level", "INFO", *args], cwd=self.workdir, env=self.env,
-                                stderr=log, stdout=log)
+        return self.spawn(name, [self.exe, "--log-level", "INFO", *args])
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with open(Path(self.workdir, f"{name}.log"), "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, cwd=self.workdir, env=self.env, stderr=log, stdout=log,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         self.procs.append((name, proc))
         return proc
 
     def caught_up(self) -> bool:
-        """The schedulers have read and acknowledged everything on the bus (the seeding burst is over)."""
+        """The schedulers have read and acknowledged everything on the bus."""
         bus = open_bus(REDIS_URL, namespace=self.namespace)
         try:
             return sum(bus.lag("pollbridge-scheduler").values()) == 0 and bus.pending_count("pollbridge-scheduler") == 0
         finally:
             bus.close()
 
-    def stop(self) -> None:
-        for _, proc in self.procs:
-            proc.send_signal(signal.SIGTERM)
-        for _, proc in self.procs:
+    def stop(self, names: tuple[str, ...] | None = None) -> None:
+        """SIGTERM (then SIGKILL after 15 s) the processes, all or those named."""
+        chosen = [(n, p) for n, p in self.procs if names is None or n in names]
+        for _, proc in chosen:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.send_signal(signal.SIGTERM)
+        for _, proc in chosen:
             try:
-                proc.wait(30)
+                proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        self.procs.clear()
+                proc.wait()
+        self.procs = [(n, p) for n, p in self.procs if (n, p) not in chosen]
 
 
-def seed_chains(engine: sa.Engine, prefix: str, instances: int, length: int) -> None:
+def seed_chains(engine: sa.Engine, prefix: str, first: int, count: int, length: int) -> None:
     with engine.begin() as conn:
         conn.execute(sa.text("INSERT INTO workflow_instances (id, workflow_type) "
-                             "SELECT :p || g, 'bench' FROM generate_series(1, :n) g"), {"p": prefix, "n": instances})
+                             "SELECT :p || g, 'bench' FROM generate_series(CAST(:a AS int), CAST(:b AS int)) g"),
+                     {"p": prefix, "a": first, "b": first + count - 1})
         conn.execute(sa.text(
             "INSERT INTO tasks (instance_id, task_key, depends_on) "
             "SELECT :p || g, 't' || k, CASE WHEN k = 0 THEN '[]' ELSE json_build_array('t' || (k - 1)) END "
-            "FROM generate_series(1, :n) g, generate_series(0, :len - 1) k"), {"p": prefix, "n": instances,
-                                                                             "len": length})
+            "FROM generate_series(CAST(:a AS int), CAST(:b AS int)) g, generate_series(0, :len - 1) k"),
+            {"p": prefix, "a": first, "b": first + count - 1, "len": length})
 
 
-def complete(engine: sa.Engine, rate: float | None, seconds: float, stop_early: threading.Event) -> int:
+def db_clock(engine: sa.Engine) -> datetime:
+    with engine.connect() as conn:
+        value: datetime = conn.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+    return value
+
+
+def complete(engine: sa.Engine, prefix: str, rate: float | None, seconds: float,
+             each_second: Any = None) -> int:
     """Complete dispatched tasks, paced at ``rate`` per second (None: as fast as possible)."""
     done = 0
     started = time.perf_counter()
+    tick = 0
     with engine.connect() as conn:
-        while time.perf_counter() - started < seconds and not stop_early.is_set():
+        while (elapsed := time.perf_counter() - started) < seconds:
+            if each_second is not None and elapsed >= tick:
+                each_second(tick)
+                tick += 1
             if rate:
-                due = int((time.perf_counter() - started) * rate) - done
+                due = int(elapsed * rate) - done
                 if due <= 0:
                     time.sleep(0.001)
                     continue
@@ -116,53 +191,143 @@ def complete(engine: sa.Engine, rate: float | None, seconds: float, stop_early: 
             else:
                 n = 500
             with conn.begin():
-                done += conn.execute(sa.text(COMPLETE_BATCH), {"n": n}).rowcount
+                done += conn.execute(sa.text(COMPLETE_BATCH), {"n": n, "p": prefix}).rowcount
     return done
 
 
-def measure(url: str, path: str, since: str) -> dict[str, Any]:
-    engine = create_engine(url)
-    try:
+def drain(engine: sa.Engine, prefix: str, timeout: float = 30.0) -> tuple[int, float]:
+    """Wait until every ready task of ``prefix`` was dispatched; (still ready, seconds waited)."""
+    started = time.monotonic()
+    while True:
         with engine.connect() as conn:
-            rows = conn.execute(sa.text(
-                "SELECT extract(epoch FROM dispatched_at - ready_at) * 1000 FROM pollbridge_dispatch_log "
-                "WHERE path = :path AND instance_id LIKE :since || '%'"),
-                {"path": path, "since": since}).scalars().all()
-    finally:
-        engine.dispose()
-    return latency_summary([float(r) for r in rows])
+            left = int(conn.execute(sa.text(READY_NOT_DISPATCHED), {"p": prefix}).scalar_one())
+        waited = time.monotonic() - started
+        if left == 0 or waited > timeout:
+            return left, round(waited, 2)
+        time.sleep(0.05)
+
+
+def measure(engine: sa.Engine, path: str, prefix: str, t0: datetime, t1: datetime) -> dict[str, Any]:
+    params = {"path": path, "p": prefix, "t0": t0, "t1": t1}
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text(LATENCY_SQL), params).scalars().all()
+        seconds = conn.execute(sa.text(PER_SECOND_SQL), params).all()
+    out: dict[str, Any] = dict(latency_summary([float(r) for r in rows]))
+    out["per_second"] = [{"s": int(s), "n": int(n), "p50_ms": round(float(p50), 1), "p99_ms": round(float(p99), 1),
+                          "max_ms": round(float(mx), 1)} for s, n, p50, p99, mx in seconds]
+    return out
+
+
+def wait_for_roots(engine: sa.Engine, procs: Processes, prefix: str, instances: int, path: str) -> None:
+    """Let the seeded chains' first tasks be dispatched (and the bus drained) before the clock starts."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            queued = conn.execute(sa.text("SELECT count(*) FROM tasks WHERE status = 'queued' "
+                                          "AND instance_id LIKE :p || '%'"), {"p": prefix}).scalar_one()
+        if queued >= instances * 0.99 and (path != "events" or procs.caught_up()):
+            return
+        time.sleep(0.2)
 
 
 def run_phase(url: str, procs: Processes, label: str, rate: float | None, seconds: float,
-              instances: int, length: int, path: str) -> dict[str, Any]:
+              instances: int, length: int, path: str, profile: Path | None = None) -> dict[str, Any]:
     engine = create_engine(url, pool_size=4)
+    prefix = f"{label}-"
+    spies: list[subprocess.Popen[bytes]] = []
     try:
-        seed_chains(engine, f"{label}-", instances, length)
-        # Let the root tasks be dispatched before the clock starts.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with engine.connect() as conn:
-                queued = conn.execute(sa.text("SELECT count(*) FROM tasks WHERE status = 'queued' "
-                                              "AND instance_id LIKE :p || '%'"), {"p": f"{label}-"}).scalar_one()
-            if queued >= instances * 0.99 and (path != "events" or procs.caught_up()):
-                break
-            time.sleep(0.2)
-        stop = threading.Event()
+        seed_chains(engine, prefix, 1, instances, length)
+        wait_for_roots(engine, procs, prefix, instances, path)
+        time.sleep(0.5)
+        if profile is not None:
+            spies = start_profilers(procs, profile, seconds)
+        load = load_average()
+        t0 = db_clock(engine)
         started = time.perf_counter()
-        completed = complete(engine, rate, seconds, stop)
+        completed = complete(engine, prefix, rate, seconds)
         elapsed = time.perf_counter() - started
-        time.sleep(1.5 if path == "events" else 0)  # let in-flight dispatches land
+        t1 = db_clock(engine)
+        stranded, drained = drain(engine, prefix)
         with engine.connect() as conn:
-            dispatched = conn.execute(sa.text(
-                "SELECT count(*) FROM pollbridge_dispatch_log WHERE instance_id LIKE :p || '%'"),
-                {"p": f"{label}-"}).scalar_one()
+            dispatched = int(conn.execute(sa.text(
+                "SELECT count(*) FROM pollbridge_dispatch_log WHERE instance_id LIKE :p || '%' "
+                "AND dispatched_at >= :t0 AND dispatched_at < :t1"), {"p": prefix, "t0": t0, "t1": t1}).scalar_one())
+        result = {"completions": completed, "seconds": round(elapsed, 2),
+                  "completions_per_s": round(completed / elapsed, 1),
+                  "dispatches_per_s": round(dispatched / elapsed, 1),
+                  "transitions_per_s": round((completed + dispatched) / elapsed, 1),
+                  "load_before": load, "load_after": load_average(),
+                  "drain_s": drained, "stranded": stranded,
+                  "latency": measure(engine, path, prefix, t0, t1)}
+    finally:
+        for spy in spies:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(30)
+        engine.dispose()
+    return result
+
+
+def start_profilers(procs: Processes, directory: Path, seconds: float) -> list[subprocess.Popen[bytes]]:
+    spy = shutil.which("py-spy")
+    if spy is None:
+        print("py-spy not found (pip install py-spy): not profiling", file=sys.stderr)
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, proc in list(procs.procs):
+        if name.startswith("scheduler") or name == "relay":
+            out.append(procs.spawn(f"py-spy-{name}", [
+                spy, "record", "--format", "raw", "--rate", "250", "--duration", str(int(seconds)),
+                "--pid", str(proc.pid), "--output", str(directory / f"{name}.txt")]))
+    return out
+
+
+def soak(url: str, procs: Processes, schedulers: list[subprocess.Popen[bytes]], minutes: float, rate: float,
+         length: int) -> dict[str, Any]:
+    """Steady load for ``minutes``: RSS and latency sampled every minute."""
+    engine = create_engine(url, pool_size=4)
+    prefix = "soak-"
+    per_second = max(1, round(rate / length))
+    seeded = max(200, int(rate * 10 / length))
+    samples: list[dict[str, Any]] = []
+    try:
+        seed_chains(engine, prefix, 1, seeded, length)
+        wait_for_roots(engine, procs, prefix, seeded, "events")
+        samples.append({"minute": 0, "rss_mb": [rss_mb(p.pid) for p in schedulers], "load": load_average()})
+        print(f"soak minute 0: RSS {samples[-1]['rss_mb']} MB, load {samples[-1]['load']}", flush=True)
+        for minute in range(1, int(minutes) + 1):
+            t0 = db_clock(engine)
+
+            def seed(_tick: int) -> None:
+                nonlocal seeded
+                seed_chains(engine, prefix, seeded + 1, per_second, length)
+                seeded += per_second
+
+            completed = complete(engine, prefix, rate, 60.0, seed)
+            t1 = db_clock(engine)
+            lat = latency_summary(_latencies(engine, prefix, t0, t1))
+            sample = {"minute": minute, "rss_mb": [rss_mb(p.pid) for p in schedulers], "load": load_average(),
+                      "completions_per_s": round(completed / 60, 1), "p50_ms": lat["p50_ms"],
+                      "p99_ms": lat["p99_ms"], "max_ms": lat["max_ms"], "n": lat["n"]}
+            samples.append(sample)
+            print(f"soak minute {minute}: RSS {sample['rss_mb']} MB, {sample['completions_per_s']} completions/s, "
+                  f"p50 {sample['p50_ms']} ms p99 {sample['p99_ms']} ms max {sample['max_ms']} ms, "
+                  f"load {sample['load']}", flush=True)
+        stranded, _ = drain(engine, prefix)
     finally:
         engine.dispose()
-    result = {"completions": completed, "seconds": round(elapsed, 2),
-              "completions_per_s": round(completed / elapsed, 1),
-              "transitions_per_s": round((completed + dispatched - instances) / elapsed, 1),
-              "latency": measure(url, path, f"{label}-")}
-    return result
+    return {"minutes": int(minutes), "rate": rate, "instances": seeded, "stranded": stranded, "samples": samples}
+
+
+def _latencies(engine: sa.Engine, prefix: str, t0: datetime, t1: datetime) -> list[float]:
+    time.sleep(0.5)  # the window's last ready tasks get dispatched
+    with engine.connect() as conn:
+        return [float(r) for r in conn.execute(sa.text(LATENCY_SQL), {"path": "events", "p": prefix, "t0": t0,
+                                                                      "t1": t1}).scalars()]
+
+
+def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks: children stopped, database dropped
 
 
 def main() -> None:
@@ -175,35 +340,50 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database for inspection")
     parser.add_argument("--skip-poller", action="store_true", help="measure the event path only")
+    parser.add_argument("--skip-throughput", action="store_true", help="measure the latency phase only")
+    parser.add_argument("--profile", type=Path, help="py-spy the schedulers and the relay during the latency phase")
+    parser.add_argument("--soak-minutes", type=float, help="run only a memory soak of this many minutes")
+    parser.add_argument("--soak-rate", type=float, default=200, help="completions/s during the soak")
     args = parser.parse_args()
     if args.quick:
         args.seconds = 4
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
     length = 10
     instances = max(200, int(args.rate * args.seconds * 2 / length) + 1)
     namespace = f"pbbench{uuid.uuid4().hex[:6]}"
-    results: dict[str, Any] = {"machine": machine(), "command": " ".join(["python -m bench.scheduler", *sys.argv[1:]])}
+    results: dict[str, Any] = {"machine": machine(), "command": " ".join(["python -m bench.scheduler", *sys.argv[1:]]),
+                               "load_at_start": load_average()}
+    procs: Processes | None = None
     try:
         with scratch_database("pollbridge_bench_scheduler", keep=args.keep) as url:
             engine = create_engine(url)
             install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings())
             engine.dispose()
             procs = Processes(url, namespace)
-            procs.start("relay", "relay", "run")
-            schedulers = [procs.start(f"scheduler{i}", "scheduler", "run") for i in range(args.schedulers)]
-            time.sleep(2.0)
-            rss_start = [rss_mb(p.pid) for p in schedulers]
-            results["events_latency"] = run_phase(url, procs, "lat", args.rate, args.seconds, instances, length,
-                                                  "events")
-            results["events_throughput"] = run_phase(url, procs, "tp", None, args.seconds, instances * 3, length,
-                                                     "events")
-            results["scheduler_rss_mb"] = {"start": rss_start, "end": [rss_mb(p.pid) for p in schedulers]}
-            procs.stop()
-            if not args.skip_poller:
-                procs.start("poller", "poller", "run", "--interval", str(args.poll_interval))
-                time.sleep(1.0)
-                results["poller_latency"] = run_phase(url, procs, "pol", args.rate, args.seconds, instances, length,
-                                                      "poller")
-                results["poller_latency"]["interval_s"] = args.poll_interval
+            try:
+                procs.start("relay", "relay", "run")
+                schedulers = [procs.start(f"scheduler{i}", "scheduler", "run", "--phase", "cutover")
+                              for i in range(args.schedulers)]
+                time.sleep(2.0)
+                rss_start = [rss_mb(p.pid) for p in schedulers]
+                if args.soak_minutes:
+                    results["soak"] = soak(url, procs, schedulers, args.soak_minutes, args.soak_rate, length)
+                else:
+                    results["events_latency"] = run_phase(url, procs, "lat", args.rate, args.seconds, instances,
+                                                          length, "events", args.profile)
+                    if not args.skip_throughput:
+                        results["events_throughput"] = run_phase(url, procs, "tp", None, args.seconds,
+                                                                 instances * 3, length, "events")
+                results["scheduler_rss_mb"] = {"start": rss_start, "end": [rss_mb(p.pid) for p in schedulers]}
+                procs.stop()
+                if not args.skip_poller and not args.soak_minutes:
+                    procs.start("poller", "poller", "run", "--interval", str(args.poll_interval))
+                    time.sleep(1.0)
+                    results["poller_latency"] = run_phase(url, procs, "pol", args.rate, args.seconds, instances,
+                                                          length, "poller")
+                    results["poller_latency"]["interval_s"] = args.poll_interval
+            finally:
                 procs.stop()
     finally:
         delete_namespace(namespace)
@@ -212,10 +392,14 @@ def main() -> None:
             continue
         r = results[name]
         lat = r["latency"]
+        worst = max(lat["per_second"], key=lambda s: s["p99_ms"], default=None)
         print(f"{name:18} {r['completions_per_s']:>8} completions/s {r['transitions_per_s']:>8} transitions/s  "
               f"ready->dispatch p50 {lat['p50_ms']} ms p90 {lat['p90_ms']} ms p99 {lat['p99_ms']} ms "
-              f"max {lat['max_ms']} ms (n={lat['n']})")
-    print(f"process logs in {procs.workdir}")
+              f"max {lat['max_ms']} ms (n={lat['n']}, stranded {r['stranded']}); worst second "
+              f"{worst and worst['s']}: p99 {worst and worst['p99_ms']} ms; "
+              f"load {r['load_before']} -> {r['load_after']}")
+    if procs is not None:
+        print(f"process logs in {procs.workdir}")
     print(f"scheduler RSS MB start {results['scheduler_rss_mb']['start']} end {results['scheduler_rss_mb']['end']}")
     write_json(args.json_path, results)
 

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from bridge.db import db_now
@@ -48,47 +49,35 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
     the dispatch-log rows of the winners."""
     if not tasks:
         return []
+    by_id = {task.task_id: task for task in tasks}
+    traces = trace_ids or {}
+    if tt.dialect_name == "postgresql":
+        # One statement, one round trip: the UPDATE and the dispatch-log INSERT in a data-modifying
+        # CTE, atomic as a statement even in autocommit mode. The batch travels as arrays, so the SQL
+        # text is the same whatever the batch: compiled once, prepared by the driver.
+        won_ids = set(conn.execute(_pg_dispatch_statement(tt, path), {
+            "pb_ids": list(by_id),
+            "pb_task_ids": [str(task.task_id) for task in tasks],
+            "pb_instance_ids": [str(task.instance_id) for task in tasks],
+            "pb_types": [task.workflow_type for task in tasks],
+            "pb_keys": [task.task_key for task in tasks],
+            "pb_attempts": [task.attempt for task in tasks],
+            "pb_ready_ats": [task.ready_at for task in tasks],
+            "pb_trace_ids": [traces.get(task.instance_id) for task in tasks],
+        }).scalars())
+        return [task for task in tasks if str(task.task_id) in won_ids]
     t = tt.tasks
     now = db_now(tt.dialect_name)
     values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
     for logical in ("dispatched_at", "updated_at"):
         if tt.has(logical):
             values[getattr(tt.mapping.columns, logical)] = now
-    by_id = {task.task_id: task for task in tasks}
-    traces = trace_ids or {}
     stmt = (
         t.update()
         .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t))
         .values(values)
         .returning(tt.col("id"))
     )
-    if tt.dialect_name == "postgresql":
-        # One statement, one round trip: the UPDATE and the dispatch-log INSERT in a data-modifying
-        # CTE, atomic as a statement even in autocommit mode.
-        won_cte = stmt.cte("pb_won")
-        facts = sa.values(
-            sa.column("task_id", sa.String), sa.column("instance_id", sa.String),
-            sa.column("workflow_type", sa.String), sa.column("task_key", sa.String),
-            sa.column("attempt", sa.Integer), sa.column("ready_at", sa.DateTime(timezone=True)),
-            sa.column("trace_id", sa.String), name="pb_facts",
-        ).data([(str(task.task_id), str(task.instance_id), task.workflow_type, task.task_key, task.attempt,
-                 task.ready_at, traces.get(task.instance_id)) for task in tasks])
-        select_won = (
-            # Casts: a VALUES column of NULLs only is typed text by PostgreSQL.
-            sa.select(facts.c.task_id, facts.c.instance_id, sa.cast(facts.c.workflow_type, sa.String),
-                      facts.c.task_key, sa.cast(facts.c.attempt, sa.Integer), sa.literal(path, sa.String),
-                      sa.cast(facts.c.ready_at, sa.DateTime(timezone=True)), now,
-                      sa.cast(facts.c.trace_id, sa.String))
-            .select_from(won_cte.join(facts, sa.cast(won_cte.c[0], sa.String) == facts.c.task_id))
-        )
-        insert = (
-            dispatch_log.insert()
-            .from_select(["task_id", "instance_id", "workflow_type", "task_key", "attempt", "path", "ready_at",
-                          "dispatched_at", "trace_id"], select_won)
-            .returning(dispatch_log.c.task_id)
-        )
-        won_ids = set(conn.execute(insert).scalars())
-        return [task for task in tasks if str(task.task_id) in won_ids]
     won = [by_id[task_id] for task_id in conn.execute(stmt).scalars()]
     if won:
         conn.execute(dispatch_log.insert().values(dispatched_at=db_now(tt.dialect_name)), [
@@ -98,6 +87,60 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
             for task in won
         ])
     return won
+
+
+_PG_STATEMENTS: dict[tuple[int, str], tuple[TaskTable, sa.Insert]] = {}
+
+
+def _pg_dispatch_statement(tt: TaskTable, path: Path) -> sa.Insert:
+    """The PostgreSQL batch dispatch for ``tt`` and ``path``, built once: the compare-and-set UPDATE over
+    ``id = ANY(:pb_ids)`` and the dispatch-log INSERT of its winners, the batch's facts unnested from arrays."""
+    cached = _PG_STATEMENTS.get((id(tt), path))
+    if cached is not None and cached[0] is tt:
+        return cached[1]
+    t = tt.tasks
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
+    for logical in ("dispatched_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    ids = sa.bindparam("pb_ids", type_=postgresql.ARRAY(tt.col("id").type))
+    won = (
+        t.update()
+        .where(tt.col("id") == sa.any_(ids), ready_predicate(tt, t))
+        .values(values)
+        .returning(tt.col("id").label("id"))
+        .cte("pb_won")
+    )
+
+    def array(name: str, of: Any) -> Any:
+        return sa.bindparam(name, type_=postgresql.ARRAY(of))
+
+    facts = (
+        sa.func.unnest(ids, array("pb_task_ids", sa.String), array("pb_instance_ids", sa.String),
+                       array("pb_types", sa.String), array("pb_keys", sa.String), array("pb_attempts", sa.Integer),
+                       array("pb_ready_ats", sa.DateTime(timezone=True)), array("pb_trace_ids", sa.String))
+        .table_valued(sa.column("id"), sa.column("task_id", sa.String), sa.column("instance_id", sa.String),
+                      sa.column("workflow_type", sa.String), sa.column("task_key", sa.String),
+                      sa.column("attempt", sa.Integer), sa.column("ready_at", sa.DateTime(timezone=True)),
+                      sa.column("trace_id", sa.String))
+        .render_derived(name="pb_facts")
+    )
+    select_won = (
+        sa.select(facts.c.task_id, facts.c.instance_id, facts.c.workflow_type, facts.c.task_key, facts.c.attempt,
+                  sa.literal(path, sa.String), facts.c.ready_at, now, facts.c.trace_id)
+        .select_from(won.join(facts, won.c.id == facts.c.id))
+    )
+    stmt = (
+        dispatch_log.insert()
+        .from_select(["task_id", "instance_id", "workflow_type", "task_key", "attempt", "path", "ready_at",
+                      "dispatched_at", "trace_id"], select_won)
+        .returning(dispatch_log.c.task_id)
+    )
+    if len(_PG_STATEMENTS) >= 64:  # task tables reflected again and again (tests): keep the cache small
+        _PG_STATEMENTS.clear()
+    _PG_STATEMENTS[(id(tt), path)] = (tt, stmt)
+    return stmt
 
 
 def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace_id: str | None = None) -> bool:

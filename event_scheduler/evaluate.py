@@ -10,12 +10,23 @@ proportional to the instances touched, never to the task table. Then, per task:
 * pending with a future due time → a ``due`` timer for the instance;
 * failed with attempts left → a ``retry`` timer after an exponential backoff with jitter;
 * running with a timeout for its type → a ``timeout`` timer.
+
+Round trips per batch on PostgreSQL: one evaluation query and, if something is ready, one dispatch
+statement, both on the caller's connection (the scheduler's loop keeps one checked out, so no pool
+pre-ping per batch) and both with a constant SQL text (instance and task ids travel as arrays), so
+they are compiled once and prepared by the driver. An in-flight count is read only for a type that
+has ``max_in_flight``, an instance's dispatch count (the depth guard) once per instance.
+
+An evaluator may be used from two threads at once (the scheduler's loop and its catch-up): the
+in-memory state (token buckets, dispatch counts) is guarded by a lock; the database state needs
+none, every write being a compare-and-set.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
@@ -92,12 +103,14 @@ class Evaluator:
         self.settings = settings
         self.metrics = metrics
         self._single = autocommit(engine)
+        self._pg = engine.dialect.name == "postgresql"
+        self._lock = threading.Lock()  # guards _buckets and _depths
         self._buckets: dict[str | None, TokenBucket] = {}
         self._depths: OrderedDict[str, int] = OrderedDict()
         tt = tables
         t = tt.tasks
         st = tt.statuses
-        src, workflow_type = tt.workflow_type_source(t, sa.bindparam("ids", expanding=True))
+        src, workflow_type = self._type_source()
         # Inner query: the instances' non-terminal tasks with their readiness; outer query: the ready
         # time, computed only for the rows found ready (a CASE branch is evaluated only when taken).
         # One statement, one round trip.
@@ -113,8 +126,7 @@ class Evaluator:
                       (sa.case((tt.col("due_at") > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
                        else sa.literal(0)).label("pb_due_future"))
             .select_from(src)
-            .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True)),
-                   tt.col("status").in_([st.pending, st.failed, st.running]))
+            .where(self._in_ids(tt.col("instance_id")), tt.col("status").in_([st.pending, st.failed, st.running]))
             .subquery("pb_eval")
         )
         optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at")
@@ -129,28 +141,61 @@ class Evaluator:
             )
             .order_by(tt.col("id", inner))
         )
-        self._exists = (sa.select(tt.col("instance_id")).distinct()
-                        .where(tt.col("instance_id").in_(sa.bindparam("ids", expanding=True))))
+        self._exists = sa.select(tt.col("instance_id")).distinct().where(self._in_ids(tt.col("instance_id")))
         all_src, any_type = tt.workflow_type_source(t)
         in_flight = sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src).where(
             tt.col("status").in_([st.dispatched, st.running])).group_by(any_type)
         self._in_flight = in_flight
         self._depth = (sa.select(dispatch_log.c.instance_id, sa.func.count())
-                       .where(dispatch_log.c.instance_id.in_(sa.bindparam("ids", expanding=True)))
+                       .where(self._in_ids(dispatch_log.c.instance_id))
                        .group_by(dispatch_log.c.instance_id))
 
-    def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None) -> Evaluation:
-        result = Evaluation()
+    def _in_ids(self, column: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+        """``column`` is one of the ``ids`` parameter: ``= ANY(array)`` on PostgreSQL (one SQL text whatever
+        the number of ids), an expanding ``IN`` elsewhere."""
+        if self._pg:
+            return column == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(column.type)))
+        return column.in_(sa.bindparam("ids", expanding=True))
+
+    def _type_source(self) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
+        """The task table joined to what gives each task its workflow type, restricted to the ``ids``
+        instances (so the planner looks them up by key)."""
+        tt = self.tables
+        if tt.instances is None:
+            return tt.workflow_type_source(tt.tasks)
+        assert tt.mapping.instances is not None
+        inst_id = tt.instances.c[tt.mapping.instances.id]
+        joined = tt.tasks.outerjoin(tt.instances, sa.and_(inst_id == tt.col("instance_id"), self._in_ids(inst_id)))
+        return joined, tt.instances.c[tt.mapping.instances.workflow_type]
+
+    def connect(self) -> Connection:
+        """A connection for :meth:`evaluate` (autocommit on PostgreSQL); the caller closes it."""
+        return self._single.connect()
+
+    def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None,
+                 conn: Connection | None = None) -> Evaluation:
+        """Evaluate ``instance_ids`` on ``conn`` (from :meth:`connect`), or on a connection of its own."""
         if not instance_ids:
-            return result
-        trace_ids = trace_ids or {}
-        with self._single.connect() as conn:
-            rows = conn.execute(self._query, {"ids": list(instance_ids)}).all()
-            seen = {r.instance_id for r in rows}
-            missing = [i for i in instance_ids if i not in seen]
-            if missing:
-                present = set(conn.execute(self._exists, {"ids": missing}).scalars())
-                result.unknown_instances = {i for i in missing if i not in present}
+            return Evaluation()
+        if conn is None:
+            with self._single.connect() as own:
+                return self._evaluate(own, instance_ids, trace_ids or {})
+        return self._evaluate(conn, instance_ids, trace_ids or {})
+
+    def _evaluate(self, conn: Connection, instance_ids: Sequence[str], trace_ids: dict[str, str | None]) -> Evaluation:
+        result = Evaluation()
+        ids = list(instance_ids)
+        rows = conn.execute(self._query, {"ids": ids}).all()
+        seen = {r.instance_id for r in rows}
+        missing = [i for i in ids if i not in seen]
+        if missing:
+            # No non-terminal task: a finished instance (its dispatch count is not needed any more:
+            # state for finished instances stays bounded) or an unknown one.
+            with self._lock:
+                for i in missing:
+                    self._depths.pop(i, None)
+            present = set(conn.execute(self._exists, {"ids": missing}).scalars())
+            result.unknown_instances = {i for i in missing if i not in present}
         ready: list[tuple[ReadyTask, str]] = []
         st = self.tables.statuses
         for r in rows:
@@ -177,10 +222,11 @@ class Evaluator:
                 result.timers.append((since + timedelta(seconds=type_settings.running_timeout), "timeout",
                                       str(r.task_id), (r.task_id, r.workflow_type)))
         if ready:
-            self._act(ready, trace_ids, result)
+            self._act(conn, ready, trace_ids, result)
         return result
 
-    def _act(self, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None], result: Evaluation) -> None:
+    def _act(self, conn: Connection, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None],
+             result: Evaluation) -> None:
         # A task found without an event (catch-up, timers) starts a trace of its own.
         traces = {t.instance_id: trace_ids.get(t.instance_id) or new_trace_id() for t, _ in ready}
         to_dispatch: list[ReadyTask] = []
@@ -194,37 +240,41 @@ class Evaluator:
                 continue
             ts = self.settings.for_type(task.workflow_type)
             if ts.max_in_flight:
-                if in_flight is None:
-                    with self.engine.connect() as conn:
-                        in_flight = {k: int(v) for k, v in conn.execute(self._in_flight).all()}
+                if in_flight is None:  # only when a limit is configured
+                    in_flight = {k: int(v) for k, v in self._read(conn, self._in_flight).all()}
                 if in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
                     self._hold(task, 1.0, result)
                     continue
                 in_flight[task.workflow_type] = in_flight.get(task.workflow_type, 0) + 1
             if ts.rate > 0:
-                bucket = self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst))
-                wait = bucket.take()
+                with self._lock:
+                    bucket = self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst))
+                    wait = bucket.take()
                 if wait > 0:
                     self._hold(task, wait, result)
                     continue
             to_dispatch.append(task)
         if to_dispatch:
-            to_dispatch = self._depth_guard(to_dispatch, result)
+            to_dispatch = self._depth_guard(conn, to_dispatch, result)
         now = datetime.now(UTC)
         if to_dispatch:
-            if self.engine.dialect.name == "postgresql":  # one statement (a CTE): atomic without BEGIN/COMMIT
-                with self._single.connect() as conn:
-                    won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
+            if self._pg:  # one statement (a CTE): atomic without BEGIN/COMMIT, on the caller's connection
+                won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
             else:
-                with self.engine.begin() as conn:
-                    won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
+                with self.engine.begin() as wconn:
+                    won = dispatch_many(wconn, self.tables, to_dispatch, "events", traces)
             result.dispatched.extend(won)
+            with self._lock:
+                for t in won:
+                    self._remember_depth(t.instance_id, self._depths.get(t.instance_id, 0) + 1)
+            if len(won) < len(to_dispatch):
+                self.metrics.lost_races.inc(len(to_dispatch) - len(won))
+            per_type: dict[str | None, int] = defaultdict(int)
             for t in won:
-                self._remember_depth(t.instance_id, self._depths.get(t.instance_id, 0) + 1)
-            self.metrics.lost_races.inc(len(to_dispatch) - len(won))
-            for t in won:
-                self.metrics.dispatches.labels(workflow_type=str(t.workflow_type), path="events").inc()
+                per_type[t.workflow_type] += 1
                 self._observe("events", t, now)
+            for workflow_type, n in per_type.items():
+                self.metrics.dispatches.labels(workflow_type=str(workflow_type), path="events").inc(n)
         if to_decide:
             decided = []
             with self.engine.begin() as conn:
@@ -234,18 +284,28 @@ class Evaluator:
                 self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
                 self._observe("shadow", t, now)
 
-    def _depth_guard(self, tasks: list[ReadyTask], result: Evaluation) -> list[ReadyTask]:
+    def _read(self, conn: Connection, stmt: Any, params: dict[str, Any] | None = None) -> Any:
+        """A read on the caller's connection on PostgreSQL (autocommit), on a read-only one elsewhere."""
+        if self._pg:
+            return conn.execute(stmt, params or {})
+        with self._single.connect() as rconn:
+            return rconn.execute(stmt, params or {}).freeze()()
+
+    def _depth_guard(self, conn: Connection, tasks: list[ReadyTask], result: Evaluation) -> list[ReadyTask]:
         """Stop a workflow that keeps spawning work: past ``max_depth`` dispatches in one instance, its
         ready tasks go to the mapping's review status (or, without one, are held back), with a metric
         and a log line, for a person to look at."""
         instances = sorted({t.instance_id for t in tasks})
-        unknown = [i for i in instances if i not in self._depths]
-        if unknown:  # counted once per instance, then kept up to date in memory by _count_dispatches
-            with self.engine.connect() as conn:
-                counted: dict[str, int] = dict(conn.execute(self._depth, {"ids": unknown}).all())
+        with self._lock:
+            unknown = [i for i in instances if i not in self._depths]
+        counted: dict[str, int] = {}
+        if unknown:  # counted once per instance, then kept up to date in memory after each dispatch
+            counted = {str(k): int(v) for k, v in self._read(conn, self._depth, {"ids": unknown}).all()}
+        with self._lock:
             for i in unknown:
-                self._remember_depth(i, int(counted.get(i, 0)))
-        depth = {i: self._depths[i] for i in instances}
+                if i not in self._depths:  # the other thread may have counted it meanwhile
+                    self._remember_depth(i, counted.get(i, 0))
+            depth = {i: self._depths.get(i, counted.get(i, 0)) for i in instances}
         over = {i for i in instances if depth.get(i, 0) >= self.settings.max_depth}
         if not over:
             return tasks
@@ -270,6 +330,7 @@ class Evaluator:
         return [t for t in tasks if t.instance_id not in over]
 
     def _remember_depth(self, instance_id: str, count: int) -> None:
+        """Under ``_lock``."""
         self._depths[instance_id] = count
         self._depths.move_to_end(instance_id)
         while len(self._depths) > DEPTH_CACHE:

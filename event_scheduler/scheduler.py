@@ -10,23 +10,32 @@ that cannot be parsed is dead-lettered at once.
 
 Crash recovery: pending entries of a dead consumer are claimed (``claim_stale``) after the
 visibility timeout; when the process acquires partitions (at start, or taking over) it catches up
-from the database, evaluating every instance of those partitions that has non-terminal tasks, which
-both dispatches tasks that are ready already and rebuilds their timers.
+from the database, evaluating every instance of those partitions that has something to do now or a
+timer to rebuild, which both dispatches tasks that are ready already and rebuilds their timers.
+
+In :meth:`EventScheduler.run` the catch-up runs on a thread of its own, in chunks, while the loop
+goes on consuming: its query is O(pending tasks) and must not stall fresh events. Evaluating an
+instance on both threads at once is safe (every write is a compare-and-set; the evaluator's
+in-memory state is locked; the timer queue is thread-safe), and a catch-up that fails is retried
+until it completed or the partitions were lost, so a cold start, a lost bus or a long outage never
+strands a ready task. The loop keeps one database connection checked out (no pool pre-ping per
+batch); a failure drops it and the next cycle takes a fresh, pinged one from the pool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.abc import Delivery, EventBus, partition_for
 from bridge.db import db_now
@@ -44,7 +53,8 @@ from event_scheduler.timers import Timer, TimerQueue
 log = logging.getLogger(__name__)
 
 RECENT_EVENTS = 50_000  # event ids remembered to skip duplicates cheaply (the CAS makes them harmless anyway)
-CATCH_UP_CHUNK = 200
+CATCH_UP_CHUNK = 100  # instances per catch-up evaluation
+CATCH_UP_PAUSE = 0.002  # seconds the catch-up thread yields between chunks, so the loop keeps its pace
 
 
 class EventScheduler:
@@ -71,6 +81,11 @@ class EventScheduler:
         self.leases = PartitionLeases(engine, bus.partitions, self.holder, settings.lease_ttl)
         self.timers = TimerQueue(self._fire)
         self._recent: OrderedDict[str, None] = OrderedDict()
+        self._conn: Connection | None = None  # the loop's connection, only while run() runs
+        self._catch_up_lock = threading.Lock()
+        self._catch_up_pending: set[int] = set()
+        self._catch_up_thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self.bus.ensure_group(settings.group)
 
     # --- handling ------------------------------------------------------------------------------------
@@ -102,10 +117,11 @@ class EventScheduler:
             traces[d.event.partitionkey] = d.event.traceid
         if by_instance:
             try:
-                self._apply(self.evaluator.evaluate(list(by_instance), traces), by_instance)
+                self._apply(self.evaluator.evaluate(list(by_instance), traces, self._conn), by_instance)
                 for items in by_instance.values():
                     done.extend(items)
             except Exception as exc:
+                self._drop_connection()
                 self.metrics.handler_errors.inc()
                 log.warning("batch of %d instances failed (%s); retrying one by one", len(by_instance), exc)
                 for instance_id, items in by_instance.items():
@@ -116,10 +132,13 @@ class EventScheduler:
                         log.warning("instance %s failed: %s: %s", instance_id, type(inner).__name__, inner)
         if done:
             self.bus.ack(group, done)
+            consumed: dict[str, int] = defaultdict(int)
             for d in done:
                 if d.event is not None:
                     self._remember(d.event.id)
-                    self.metrics.consumed.labels(workflow_type=str(d.event.data.get("workflow_type"))).inc()
+                    consumed[str(d.event.data.get("workflow_type"))] += 1
+            for workflow_type, n in consumed.items():
+                self.metrics.consumed.labels(workflow_type=workflow_type).inc(n)
         self.metrics.decision_latency.observe(time.perf_counter() - started)
 
     def _may_matter(self, event: CloudEvent) -> bool:
@@ -141,7 +160,8 @@ class EventScheduler:
     def _apply(self, evaluation: Evaluation, by_instance: dict[str, list[Delivery]]) -> None:
         for when, kind, key, data in evaluation.timers:
             self.timers.schedule(when, kind, key, data)
-        self.metrics.timers_pending.set(len(self.timers))
+        if evaluation.timers:
+            self.metrics.timers_pending.set(len(self.timers))
         if evaluation.unknown_instances:
             self.metrics.unknown.inc(sum(len(by_instance.get(i, [])) or 1 for i in evaluation.unknown_instances))
             log.info("events for unknown instance(s) acknowledged: %s", sorted(evaluation.unknown_instances)[:5])
@@ -204,8 +224,11 @@ class EventScheduler:
             log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
 
     # --- catch-up ------------------------------------------------------------------------------------
-    def catch_up(self, partitions: set[int]) -> int:
-        """Evaluate every instance of ``partitions`` with non-terminal tasks. Returns instances evaluated."""
+    def catch_up(self, partitions: set[int], stop: threading.Event | None = None) -> int:
+        """Evaluate every instance of ``partitions`` with something to do now or a timer to rebuild.
+
+        Returns the instances evaluated. Synchronous; :meth:`run` calls it on the catch-up thread
+        (``stop`` ends it early, and so does the loss of every partition asked for)."""
         if not partitions:
             return 0
         tt = self.tables
@@ -222,14 +245,66 @@ class EventScheduler:
         if any(ts.running_timeout > 0 for ts in (self.settings.defaults, *(s for _, s in self.settings.types))):
             wanted.append(tt.col("status") == st.running)
         q = sa.select(tt.col("instance_id")).distinct().where(sa.or_(*wanted))
-        with self.engine.connect() as conn:
+        started = time.monotonic()
+        with self.evaluator.connect() as conn:
             instances = [str(i) for i in conn.execute(q).scalars()
                          if partition_for(str(i), self.bus.partitions) in partitions]
-        for start in range(0, len(instances), CATCH_UP_CHUNK):
-            chunk = instances[start:start + CATCH_UP_CHUNK]
-            self._apply(self.evaluator.evaluate(chunk), {})
-        log.info("caught up %d instance(s) on partitions %s", len(instances), sorted(partitions))
+        # One connection for every chunk on PostgreSQL (autocommit); on SQLite one per chunk, so no read
+        # transaction stays open across the chunks.
+        with (self.evaluator.connect() if self.engine.dialect.name == "postgresql"
+              else contextlib.nullcontext()) as chunk_conn:
+            for start in range(0, len(instances), CATCH_UP_CHUNK):
+                if stop is not None and (stop.is_set() or not (partitions & self.leases.owned)):
+                    log.info("catch-up of partitions %s interrupted", sorted(partitions))
+                    return start
+                chunk = instances[start:start + CATCH_UP_CHUNK]
+                self._apply(self.evaluator.evaluate(chunk, conn=chunk_conn), {})
+                if stop is not None:
+                    time.sleep(CATCH_UP_PAUSE)
+        log.info("caught up %d instance(s) on partitions %s in %.2f s", len(instances), sorted(partitions),
+                 time.monotonic() - started)
         return len(instances)
+
+    def _catch_up_later(self, partitions: set[int]) -> None:
+        """Queue ``partitions`` for the catch-up thread (started if it is not running)."""
+        with self._catch_up_lock:
+            self._catch_up_pending |= partitions
+            if self._catch_up_thread is None or not self._catch_up_thread.is_alive():
+                self._catch_up_thread = threading.Thread(target=self._catch_up_worker, name="pollbridge-catch-up",
+                                                         daemon=True)
+                self._catch_up_thread.start()
+
+    def _catch_up_worker(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            with self._catch_up_lock:
+                todo = self._catch_up_pending & self.leases.owned
+                self._catch_up_pending = set()
+                if not todo:
+                    self._catch_up_thread = None
+                    return
+            try:
+                self.catch_up(todo, self._stop)
+                backoff = 0.1
+            except Exception as exc:  # database outage: retried until done, never given up
+                log.warning("catch-up of partitions %s failed (%s: %s); retrying in %.1f s", sorted(todo),
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", backoff)
+                with self._catch_up_lock:
+                    self._catch_up_pending |= todo
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def request_catch_up(self) -> None:
+        """Catch up every owned partition on the catch-up thread, e.g. when the event path became
+        responsible for more instances (ready tasks produce no new event). Thread-safe; returns at once."""
+        owned = set(self.leases.owned)
+        if owned:
+            self._catch_up_later(owned)
+
+    def catching_up(self) -> bool:
+        """Whether the catch-up thread has work queued or running."""
+        with self._catch_up_lock:
+            return bool(self._catch_up_pending) or self._catch_up_thread is not None
 
     # --- the loop ------------------------------------------------------------------------------------
     def poll_once(self, block: float | None = None) -> int:
@@ -251,7 +326,9 @@ class EventScheduler:
         self.handle(claimed)
         return len(claimed)
 
-    def refresh_leases(self) -> None:
+    def refresh_leases(self, background: bool = False) -> None:
+        """Renew and rebalance the leases; catch up on acquired partitions (on the catch-up thread when
+        ``background``, else before returning)."""
         acquired, lost = self.leases.refresh()
         self.metrics.partitions_owned.set(len(self.leases.owned))
         if lost:
@@ -259,18 +336,32 @@ class EventScheduler:
         if acquired:
             log.info("scheduler %s acquired partitions %s", self.holder, sorted(acquired))
             self.claim_stale()
-            self.catch_up(acquired)
+            if background:
+                self._catch_up_later(acquired)
+            else:
+                self.catch_up(acquired)
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
 
     def run(self, stop: threading.Event) -> None:
         self.timers.start()
+        self._stop.clear()
         backoff = 0.1
         next_lease = next_claim = next_lag = 0.0
         try:
             while not stop.is_set():
                 try:
+                    if self._conn is None and self.engine.dialect.name == "postgresql":
+                        # Autocommit: each statement sees the latest commits. (A connection kept on SQLite
+                        # would keep one read transaction, and its snapshot, open.)
+                        self._conn = self.evaluator.connect()
                     now = time.monotonic()
                     if now >= next_lease:
-                        self.refresh_leases()
+                        self.refresh_leases(background=True)
                         next_lease = now + self.settings.lease_ttl / 3
                     if now >= next_claim:
                         self.claim_stale()
@@ -285,11 +376,17 @@ class EventScheduler:
                     self.poll_once()
                     backoff = 0.1
                 except Exception as exc:  # database or bus outage: back off and retry
+                    self._drop_connection()
                     log.warning("scheduler cycle failed (%s: %s); retrying in %.1f s", type(exc).__name__,
                                 str(exc).splitlines()[0] if str(exc) else "", backoff)
                     stop.wait(backoff)
                     backoff = min(backoff * 2, 5.0)
         finally:
+            self._stop.set()
+            thread = self._catch_up_thread
+            if thread is not None:
+                thread.join(10)
+            self._drop_connection()
             self.timers.stop()
             try:
                 self.leases.release_all()
