@@ -53,7 +53,8 @@ class SchedulerProcess:
         exe = shutil.which("pollbridge")
         assert exe, "pollbridge is not installed"
         self.log = cwd / "scheduler.log"
-        full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")}, **env}
+        full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
+                    "POLLBRIDGE_SCHEDULER_PHASE": "cutover", **env}
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen([exe, "scheduler", "run"], cwd=cwd, env=full_env,
                                          stdout=subprocess.DEVNULL, stderr=out)

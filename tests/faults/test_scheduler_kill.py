@@ -45,7 +45,9 @@ class Processes:
         self.cwd = cwd
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
                     "POLLBRIDGE_DATABASE_URL": db_url, "POLLBRIDGE_BUS_URL": bus_url,
-                    "POLLBRIDGE_LOG_LEVEL": "INFO"}
+                    "POLLBRIDGE_LOG_LEVEL": "INFO",
+                    # Every type event-driven without going through the gates: this test is about crashes.
+                    "POLLBRIDGE_SCHEDULER_PHASE": "cutover"}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.count = 0
 
