@@ -100,6 +100,33 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (and its waited-for children), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu() -> float:
+    """CPU time of every PostgreSQL process (this bench's backends are most of it)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(entry, "comm").read_text().strip() in ("postgres", "postmaster"):
+                    total += cpu_seconds(int(entry.name))
+    return total
+
+
+def cpu_snapshot(procs: Processes) -> dict[str, float]:
+    snap = {name: cpu_seconds(proc.pid) for name, proc in procs.procs if not name.startswith("py-spy")}
+    snap["postgres"] = postgres_cpu()
+    snap["bench"] = time.process_time()
+    return snap
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -163,6 +190,15 @@ def seed_chains(engine: sa.Engine, prefix: str, first: int, count: int, length: 
             "SELECT :p || g, 't' || k, CASE WHEN k = 0 THEN '[]' ELSE json_build_array('t' || (k - 1)) END "
             "FROM generate_series(CAST(:a AS int), CAST(:b AS int)) g, generate_series(0, :len - 1) k"),
             {"p": prefix, "a": first, "b": first + count - 1, "len": length})
+
+
+def analyze(engine: sa.Engine) -> None:
+    """Statistics for the freshly seeded tables, as autovacuum would have them within a minute or so. With
+    the statistics of an empty table PostgreSQL may plan the dispatch compare-and-set (``id = ANY(...) AND
+    status = 'pending' AND ...``) with a bitmap of the status index, which reads every pending task."""
+    with engine.connect() as conn:
+        conn.execute(sa.text("ANALYZE tasks, workflow_instances"))
+        conn.commit()
 
 
 def db_clock(engine: sa.Engine) -> datetime:
@@ -237,16 +273,19 @@ def run_phase(url: str, procs: Processes, label: str, rate: float | None, second
     spies: list[subprocess.Popen[bytes]] = []
     try:
         seed_chains(engine, prefix, 1, instances, length)
+        analyze(engine)
         wait_for_roots(engine, procs, prefix, instances, path)
         time.sleep(0.5)
         if profile is not None:
             spies = start_profilers(procs, profile, seconds)
         load = load_average()
+        cpu0 = cpu_snapshot(procs)
         t0 = db_clock(engine)
         started = time.perf_counter()
         completed = complete(engine, prefix, rate, seconds)
         elapsed = time.perf_counter() - started
         t1 = db_clock(engine)
+        cpu1 = cpu_snapshot(procs)
         stranded, drained = drain(engine, prefix)
         with engine.connect() as conn:
             dispatched = int(conn.execute(sa.text(
@@ -258,6 +297,8 @@ def run_phase(url: str, procs: Processes, label: str, rate: float | None, second
                   "transitions_per_s": round((completed + dispatched) / elapsed, 1),
                   "load_before": load, "load_after": load_average(),
                   "drain_s": drained, "stranded": stranded,
+                  # CPU seconds per second of the window, per process (postgres: all its processes)
+                  "cpu_per_s": {k: round((cpu1[k] - v) / elapsed, 3) for k, v in cpu0.items() if k in cpu1},
                   "latency": measure(engine, path, prefix, t0, t1)}
     finally:
         for spy in spies:
@@ -292,6 +333,7 @@ def soak(url: str, procs: Processes, schedulers: list[subprocess.Popen[bytes]], 
     samples: list[dict[str, Any]] = []
     try:
         seed_chains(engine, prefix, 1, seeded, length)
+        analyze(engine)
         wait_for_roots(engine, procs, prefix, seeded, "events")
         samples.append({"minute": 0, "rss_mb": [rss_mb(p.pid) for p in schedulers], "load": load_average()})
         print(f"soak minute 0: RSS {samples[-1]['rss_mb']} MB, load {samples[-1]['load']}", flush=True)
@@ -398,6 +440,7 @@ def main() -> None:
               f"max {lat['max_ms']} ms (n={lat['n']}, stranded {r['stranded']}); worst second "
               f"{worst and worst['s']}: p99 {worst and worst['p99_ms']} ms; "
               f"load {r['load_before']} -> {r['load_after']}")
+        print(f"{'':18} CPU s/s: " + ", ".join(f"{k} {v}" for k, v in r["cpu_per_s"].items()))
     if procs is not None:
         print(f"process logs in {procs.workdir}")
     print(f"scheduler RSS MB start {results['scheduler_rss_mb']['start']} end {results['scheduler_rss_mb']['end']}")

@@ -110,23 +110,49 @@ class Evaluator:
         tt = tables
         t = tt.tasks
         st = tt.statuses
-        src, workflow_type = self._type_source()
-        # Inner query: the instances' non-terminal tasks with their readiness; outer query: the ready
-        # time, computed only for the rows found ready (a CASE branch is evaluated only when taken).
-        # One statement, one round trip.
+        live = [st.pending, st.failed, st.running]
+        # pb_base: every task of the instances, found through the instance index alone. OFFSET 0 keeps the
+        # status condition out of this scan: with stale statistics PostgreSQL otherwise ANDs in a bitmap of
+        # the status index, which reads every pending task of the table (O(pending) per evaluation).
+        # An instance without a live task keeps one row (pb_rn = 1) as a marker: "finished, not unknown"
+        # comes with the same query (an instance without any row is unknown).
         logical = [c for c in ("id", "instance_id", "task_key", "status", "depends_on", "due_at", "awaits_signal",
                                "signal_received_at", "updated_at", "attempts", "max_attempts") if tt.has(c)]
-        columns = {getattr(tt.mapping.columns, c): tt.col(c) for c in logical}
+        if tt.instances is None and tt.has("workflow_type"):
+            logical.append("workflow_type")
+        base = (
+            sa.select(*(tt.col(c) for c in logical),
+                      sa.func.row_number().over(partition_by=tt.col("instance_id"), order_by=tt.col("id"))
+                      .label("pb_rn"),
+                      sa.func.max(sa.case((tt.col("status").in_(live), 1), else_=0))
+                      .over(partition_by=tt.col("instance_id")).label("pb_any_live"))
+            .where(self._in_ids(tt.col("instance_id")))
+            .offset(0)
+            .subquery("pb_base")
+        )
+        workflow_type: sa.ColumnElement[Any]
+        if tt.instances is None:
+            workflow_type = tt.col("workflow_type", base)
+        else:  # a primary-key lookup per row, whatever the statistics say
+            assert tt.mapping.instances is not None
+            inst = tt.instances
+            workflow_type = (sa.select(inst.c[tt.mapping.instances.workflow_type])
+                             .where(inst.c[tt.mapping.instances.id] == tt.col("instance_id", base))
+                             .scalar_subquery())
+        # pb_eval: the live tasks with their readiness (and the instance marker rows); outer query: the
+        # ready time, computed only for the rows found ready (a CASE branch is evaluated only when taken).
+        # One statement, one round trip.
         inner = (
-            sa.select(*columns.values(), workflow_type.label("pb_workflow_type"),
-                      sa.case((ready_predicate(tt, t), 1), else_=0).label("pb_ready"),
+            sa.select(*(tt.col(c, base) for c in logical if c != "workflow_type"),
+                      workflow_type.label("pb_workflow_type"),
+                      sa.case((ready_predicate(tt, base), 1), else_=0).label("pb_ready"),
                       # "Not due yet" by the database clock, the one readiness uses: the scheduler host's
                       # clock may disagree, and deciding with it could leave a task with neither a
                       # dispatch nor a timer.
-                      (sa.case((tt.col("due_at") > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
-                       else sa.literal(0)).label("pb_due_future"))
-            .select_from(src)
-            .where(self._in_ids(tt.col("instance_id")), tt.col("status").in_([st.pending, st.failed, st.running]))
+                      (sa.case((tt.col("due_at", base) > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
+                       else sa.literal(0)).label("pb_due_future"),
+                      sa.case((tt.col("status", base).in_(live), 1), else_=0).label("pb_live"))
+            .where(sa.or_(tt.col("status", base).in_(live), sa.and_(base.c.pb_rn == 1, base.c.pb_any_live == 0)))
             .subquery("pb_eval")
         )
         optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at")
@@ -136,12 +162,11 @@ class Evaluator:
                 tt.col("id", inner).label("task_id"), tt.col("instance_id", inner).label("instance_id"),
                 tt.col("task_key", inner).label("task_key"), tt.col("status", inner).label("status"),
                 inner.c.pb_workflow_type.label("workflow_type"), *optional, inner.c.pb_ready.label("ready"),
-                inner.c.pb_due_future.label("due_future"),
+                inner.c.pb_due_future.label("due_future"), inner.c.pb_live.label("live"),
                 sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
             )
             .order_by(tt.col("id", inner))
         )
-        self._exists = sa.select(tt.col("instance_id")).distinct().where(self._in_ids(tt.col("instance_id")))
         all_src, any_type = tt.workflow_type_source(t)
         in_flight = sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src).where(
             tt.col("status").in_([st.dispatched, st.running])).group_by(any_type)
@@ -156,17 +181,6 @@ class Evaluator:
         if self._pg:
             return column == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(column.type)))
         return column.in_(sa.bindparam("ids", expanding=True))
-
-    def _type_source(self) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
-        """The task table joined to what gives each task its workflow type, restricted to the ``ids``
-        instances (so the planner looks them up by key)."""
-        tt = self.tables
-        if tt.instances is None:
-            return tt.workflow_type_source(tt.tasks)
-        assert tt.mapping.instances is not None
-        inst_id = tt.instances.c[tt.mapping.instances.id]
-        joined = tt.tasks.outerjoin(tt.instances, sa.and_(inst_id == tt.col("instance_id"), self._in_ids(inst_id)))
-        return joined, tt.instances.c[tt.mapping.instances.workflow_type]
 
     def connect(self) -> Connection:
         """A connection for :meth:`evaluate` (autocommit on PostgreSQL); the caller closes it."""
@@ -186,19 +200,21 @@ class Evaluator:
         result = Evaluation()
         ids = list(instance_ids)
         rows = conn.execute(self._query, {"ids": ids}).all()
-        seen = {r.instance_id for r in rows}
-        missing = [i for i in ids if i not in seen]
-        if missing:
-            # No non-terminal task: a finished instance (its dispatch count is not needed any more:
-            # state for finished instances stays bounded) or an unknown one.
+        present = {str(r.instance_id) for r in rows}
+        live = {str(r.instance_id) for r in rows if r.live}
+        finished = [i for i in ids if i not in live]
+        if finished:
+            # No live task: a finished instance (its dispatch count is not needed any more, so the state
+            # kept for finished instances stays bounded) or an unknown one.
             with self._lock:
-                for i in missing:
+                for i in finished:
                     self._depths.pop(i, None)
-            present = set(conn.execute(self._exists, {"ids": missing}).scalars())
-            result.unknown_instances = {i for i in missing if i not in present}
+            result.unknown_instances = {i for i in finished if i not in present}
         ready: list[tuple[ReadyTask, str]] = []
         st = self.tables.statuses
         for r in rows:
+            if not r.live:
+                continue
             m = r._mapping
             type_settings = self.settings.for_type(r.workflow_type)
             attempts = m.get("attempts")
