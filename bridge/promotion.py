@@ -94,6 +94,23 @@ def _threshold(flag: Flag, settings: GateSettings, name: str) -> float:
     return float(flag.thresholds.get(name, getattr(settings, name)))
 
 
+def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSettings) -> tuple[Criterion, ...]:
+    """The evidence criteria of a gate (and of a reconcile report's verdict) for one type's counts."""
+    missing = counts.get("missing", 0)
+    min_tasks = int(_threshold(flag, settings, "min_tasks"))
+    budget = _threshold(flag, settings, "miss_budget")
+    upper = miss_rate_upper(missing, compared, settings.confidence)
+    return (
+        Criterion("min_tasks", compared >= min_tasks, f"{compared} compared task(s), need {min_tasks}"),
+        Criterion("no_early", counts.get("early", 0) == 0, f"{counts.get('early', 0)} early action(s)"),
+        Criterion("no_duplicate", counts.get("duplicate", 0) == 0,
+                  f"{counts.get('duplicate', 0)} duplicate dispatch(es)"),
+        Criterion("miss_rate", upper < budget,
+                  f"{missing} miss(es) in {compared}: upper {settings.confidence:.0%} bound {upper:.4%}, "
+                  f"budget {budget:.4%}"),
+    )
+
+
 def is_promotion(old: Flag, phase: Phase, percent: float | None) -> bool:
     if RANK[phase] != RANK[old.phase]:
         return RANK[phase] > RANK[old.phase]
@@ -120,18 +137,7 @@ def evaluate_gate(engine: Engine, tt: TaskTable, flag: Flag, target: Phase, sett
                            tolerance=_threshold(flag, settings, "tolerance")).get(name)
     raw = dict(counts.counts) if counts is not None else {}
     compared = counts.compared if counts is not None else 0
-    missing = raw.get("missing", 0)
-    min_tasks = int(_threshold(flag, settings, "min_tasks"))
-    budget = _threshold(flag, settings, "miss_budget")
-    upper = miss_rate_upper(missing, compared, settings.confidence)
-    criteria = (
-        Criterion("min_tasks", compared >= min_tasks, f"{compared} compared task(s), need {min_tasks}"),
-        Criterion("no_early", raw.get("early", 0) == 0, f"{raw.get('early', 0)} early action(s)"),
-        Criterion("no_duplicate", raw.get("duplicate", 0) == 0, f"{raw.get('duplicate', 0)} duplicate dispatch(es)"),
-        Criterion("miss_rate", upper < budget,
-                  f"{missing} miss(es) in {compared}: upper {settings.confidence:.0%} bound {upper:.4%}, "
-                  f"budget {budget:.4%}"),
-    )
+    criteria = judge(raw, compared, flag, settings)
     return GateResult(name, target, criteria, {**raw, "compared": compared}, since, until)
 
 

@@ -29,16 +29,18 @@ mistaken for a 0% miss rate.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
-from bridge.db import db_ago, millis_between, read_only
-from bridge.readiness import greatest, latest_dependency_completion, ready_predicate, ready_since
+from bridge.db import db_ago, db_now, millis_between, read_only
+from bridge.readiness import greatest, ready_predicate, ready_since
 from bridge.schema import decisions, dispatch_log, flag_audit, flags
 from bridge.tasktable import TaskTable
 
@@ -119,21 +121,21 @@ def phase_spans(engine: Engine, types: Sequence[str] | None = None) -> list[Phas
         start: datetime | None = None
         phase = changes[0].old_phase
         for change in changes:
-            at = _utc(change.changed_at)
+            at = to_utc(change.changed_at)
             spans.append(PhaseSpan(name, phase, start, at))
             start, phase = at, change.new_phase
         spans.append(PhaseSpan(name, phase, start, None))
     return spans
 
 
-def _utc(value: Any) -> datetime | None:
+def to_utc(value: Any) -> datetime | None:
     if value is None:
         return None
     parsed: datetime = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
     return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
-def _bind_time(engine: Engine, value: datetime) -> Any:
+def bind_time(engine: Engine, value: datetime) -> Any:
     """A timestamp as the dialect stores it (SQLite keeps db_now() text: naive UTC, millisecond text)."""
     value = value.astimezone(UTC)
     if engine.dialect.name == "sqlite":
@@ -147,19 +149,21 @@ def _phase_at(engine: Engine, spans: Sequence[PhaseSpan], type_col: Any, at_col:
     for span in spans:
         cond = [type_col == span.workflow_type]
         if span.since is not None:
-            cond.append(at_col >= _bind_time(engine, span.since))
+            cond.append(at_col >= bind_time(engine, span.since))
         if span.until is not None:
-            cond.append(at_col < _bind_time(engine, span.until))
+            cond.append(at_col < bind_time(engine, span.until))
         whens.append((sa.and_(*cond), span.phase))
     if not whens:
         return sa.literal("polling")
     return sa.case(*whens, else_=sa.literal("polling"))
 
 
-def _window_rows(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
-                 types: Sequence[str] | None) -> sa.Subquery:
-    """One row per (task, attempt) acted on in the window, with the first time of each action."""
-    lo, hi = _bind_time(engine, since), _bind_time(engine, until)
+def window_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
+               types: Sequence[str] | None) -> sa.Select[Any]:
+    """One row per (task, attempt) acted on in the window, with the first time of each action.
+
+    ``task_ref`` is the task id in the task table's own type, so the joins to the task table use its key."""
+    lo, hi = bind_time(engine, since), bind_time(engine, until)
     dl, dc = dispatch_log, decisions
     log_q = sa.select(dl.c.task_id, dl.c.attempt, dl.c.workflow_type, dl.c.path.label("kind"), dl.c.ready_at,
                       dl.c.dispatched_at.label("at")).where(dl.c.dispatched_at >= lo, dl.c.dispatched_at < hi)
@@ -176,73 +180,169 @@ def _window_rows(engine: Engine, tt: TaskTable, since: datetime, until: datetime
 
     return (
         sa.select(
-            a.task_id, a.attempt, sa.func.max(a.workflow_type).label("workflow_type"),
+            a.task_id, sa.cast(a.task_id, tt.col("id").type).label("task_ref"), a.attempt,
+            sa.func.max(a.workflow_type).label("workflow_type"),
             first("poller").label("poller_at"), first("events").label("events_at"),
             first("fallback").label("fallback_at"), first("decision").label("decision_at"),
             sa.func.sum(sa.case((a.kind != "decision", 1), else_=0)).label("dispatches"),
             sa.func.min(a.at).label("first_at"), sa.func.min(a.ready_at).label("ready_at"),
         )
         .group_by(a.task_id, a.attempt)
-        .subquery("pb_per_task")
     )
 
 
-def _facts_ready(tt: TaskTable, t: sa.FromClause, attempt: Any) -> sa.ColumnElement[Any]:
-    """Readiness re-derived from the task row's facts (not from what a dispatcher recorded)."""
-    parts: list[sa.ColumnElement[Any]] = [latest_dependency_completion(tt, t)]
+def _dependencies_done(tt: TaskTable, per: sa.FromClause) -> sa.Subquery:
+    """Per acted task (``task_ref``): its dependencies' latest completion and how many are not completed
+    (or do not exist), as one set-based join instead of a lookup per task."""
+    t = tt.tasks.alias("pb_dt")
+    dep = tt.tasks.alias("pb_dd")
+    acted = sa.select(per.c.task_ref)
+    completed = tt.col("completed_at", dep) if tt.has("completed_at") else sa.null()
+    not_done = sa.or_(tt.col("id", dep).is_(None), tt.col("status", dep) != tt.statuses.completed)
+    source: sa.FromClause
+    if tt.mapping.dependency_mode == "json":
+        column = tt.col("depends_on", t)
+        fn = (sa.func.json_array_elements_text(sa.cast(column, sa.JSON)) if tt.dialect_name == "postgresql"
+              else sa.func.json_each(column))
+        keys = fn.table_valued("value").alias("pb_dk")
+        source = t.join(keys, sa.true()).outerjoin(
+            dep, sa.and_(tt.col("instance_id", dep) == tt.col("instance_id", t),
+                         tt.col("task_key", dep) == keys.c.value))
+        owner = tt.col("id", t)
+    else:
+        assert tt.edges is not None and tt.mapping.edges is not None
+        e = tt.edges.alias("pb_de")
+        owner = e.c[tt.mapping.edges.task_id]
+        source = e.outerjoin(dep, tt.col("id", dep) == e.c[tt.mapping.edges.depends_on_id])
+    return (
+        sa.select(owner.label("task_ref"), sa.func.max(completed).label("deps_done_at"),
+                  sa.func.sum(sa.case((not_done, 1), else_=0)).label("unmet_deps"))
+        .select_from(source)
+        .where(owner.in_(acted))
+        .group_by(owner)
+        .subquery("pb_deps_done")
+    )
+
+
+def facts_sql_from(engine: Engine, tt: TaskTable, per: sa.FromClause,
+                   spans: Sequence[PhaseSpan]) -> sa.Select[Any]:
+    """Layer one: the window's rows with the readiness re-derived from the task row's facts (its
+    dependencies' completion, its signal, its due time for the latest attempt), how many dependencies are
+    still not completed, and the type's phase at the first action."""
+    t = tt.tasks.alias("pb_task")
+    done = _dependencies_done(tt, per)
+    parts: list[sa.ColumnElement[Any]] = [done.c.deps_done_at]
     if tt.has("signal_received_at"):
         parts.append(tt.col("signal_received_at", t))
     if tt.has("due_at"):
-        # A retry moves the due time: it is a fact about the current attempt only.
-        current = (tt.col("attempts", t) + 1 == attempt) if tt.has("attempts") else sa.true()
+        # A retry may move the due time: it is a fact about the latest attempt only (the attempt counter
+        # is the dispatched attempt - 1 until a worker claims it, the attempt itself afterwards).
+        current = (per.c.attempt >= tt.col("attempts", t)) if tt.has("attempts") else sa.true()
         parts.append(sa.case((current, tt.col("due_at", t))))
-    return greatest(tt.dialect_name, parts)
+    return (
+        sa.select(*per.c, greatest(tt.dialect_name, parts).label("facts_ready"),
+                  sa.func.coalesce(done.c.unmet_deps, 0).label("unmet_deps"),
+                  _phase_at(engine, spans, per.c.workflow_type, per.c.first_at).label("phase"))
+        .select_from(per.outerjoin(t, tt.col("id", t) == per.c.task_ref)
+                     .outerjoin(done, done.c.task_ref == per.c.task_ref))
+    )
+
+
+def kinds_sql(engine: Engine, dialect_name: str, per: sa.FromClause, until: datetime, *, objective: float = 1.0,
+              tolerance: float = 10.0, control: bool = False) -> sa.Select[Any]:
+    """Layer two: each (task, attempt) of :func:`facts_sql` classified (see the module docstring), with its
+    path and latencies. ``control``: judge the legacy poller's own dispatches by the same rules
+    (``matched``, ``late``, ``early``, ``duplicate``), the noise floor before anyone blames the event path."""
+    c = per.c
+    d = dialect_name
+    event_at = c.poller_at if control else sa.func.coalesce(c.events_at, c.decision_at)
+    # ``late`` is judged on the recorded readiness (both paths record the same readiness SQL).
+    event_ms = millis_between(d, c.ready_at, event_at)
+    tolerance_ago = _tolerance_before(engine, until, tolerance)
+    safety: list[tuple[sa.ColumnElement[bool], str]] = [
+        (c.dispatches > 1, "duplicate"),
+        (sa.or_(c.unmet_deps > 0, sa.and_(c.facts_ready.is_not(None), c.first_at < c.facts_ready)), "early"),
+        (sa.and_(event_at.is_not(None), c.ready_at.is_not(None), event_ms > objective * 1000.0), "late"),
+    ]
+    if control:
+        kind = sa.case(*safety, (c.poller_at.is_not(None), "matched"), else_="events")
+    else:
+        kind = sa.case(
+            *safety,
+            (c.events_at.is_not(None), "matched"),
+            (sa.and_(c.decision_at.is_not(None), c.dispatches > 0), "matched"),
+            (c.decision_at.is_not(None), sa.case((c.decision_at >= tolerance_ago, "pending"), else_="extra")),
+            (c.fallback_at.is_not(None), "missing"),
+            (c.phase == "dual_write", "missing"),
+            else_="poller",
+        )
+    path = sa.case(
+        (c.events_at.is_not(None), "events"), (c.fallback_at.is_not(None), "fallback"),
+        (c.poller_at.is_not(None), "poller"), else_="decision",
+    )
+    action_at = sa.func.coalesce(c.events_at, c.fallback_at, c.poller_at, c.decision_at)
+    return sa.select(
+        c.task_id, c.attempt, c.workflow_type, kind.label("kind"), path.label("path"),
+        sa.type_coerce(millis_between(d, c.ready_at, action_at), sa.Float).label("latency_ms"),
+        sa.type_coerce(millis_between(d, c.ready_at, c.poller_at), sa.Float).label("poller_ms"),
+        sa.type_coerce(millis_between(d, c.ready_at, sa.func.coalesce(c.events_at, c.decision_at)),
+                       sa.Float).label("events_ms"),
+        sa.type_coerce(millis_between(d, c.ready_at, c.fallback_at), sa.Float).label("fallback_ms"),
+        sa.type_coerce(millis_between(d, c.facts_ready, c.first_at), sa.Float).label("after_facts_ms"),
+        c.dispatches, c.phase, c.ready_at, action_at.label("action_at"), c.facts_ready,
+    )
 
 
 def classify_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
                  types: Sequence[str] | None = None, objective: float = 1.0, tolerance: float = 10.0,
-                 spans: Sequence[PhaseSpan] | None = None) -> sa.Select[Any]:
-    """One row per (task, attempt) acted on in the window: its kind, path, latencies and facts."""
-    d = tt.dialect_name
-    per = _window_rows(engine, tt, since, until, types)
-    t = tt.tasks.alias("pb_task")
+                 spans: Sequence[PhaseSpan] | None = None, control: bool = False) -> sa.Select[Any]:
+    """All layers as one statement (small windows; :func:`classified` materializes them for large ones)."""
     spans = list(spans) if spans is not None else phase_spans(engine, types)
-    facts_ready = _facts_ready(tt, t, per.c.attempt)
-    event_at = sa.func.coalesce(per.c.events_at, per.c.decision_at)
-    phase_then = _phase_at(engine, spans, per.c.workflow_type, per.c.first_at)
-    # ``late`` is judged on the recorded readiness (both paths record the same readiness SQL).
-    event_ms = millis_between(d, per.c.ready_at, event_at)
-    tolerance_ago = _tolerance_before(engine, until, tolerance)
-    kind = sa.case(
-        (per.c.dispatches > 1, "duplicate"),
-        (sa.and_(facts_ready.is_not(None), per.c.first_at < facts_ready), "early"),
-        (sa.and_(event_at.is_not(None), per.c.ready_at.is_not(None), event_ms > objective * 1000.0), "late"),
-        (per.c.events_at.is_not(None), "matched"),
-        (sa.and_(per.c.decision_at.is_not(None), per.c.dispatches > 0), "matched"),
-        (per.c.decision_at.is_not(None), sa.case((per.c.decision_at >= tolerance_ago, "pending"), else_="extra")),
-        (per.c.fallback_at.is_not(None), "missing"),
-        (phase_then == "dual_write", "missing"),
-        else_="poller",
-    )
-    path = sa.case(
-        (per.c.events_at.is_not(None), "events"), (per.c.fallback_at.is_not(None), "fallback"),
-        (per.c.poller_at.is_not(None), "poller"), else_="decision",
-    )
-    action_at = sa.func.coalesce(per.c.events_at, per.c.fallback_at, per.c.poller_at, per.c.decision_at)
-    return (
-        sa.select(
-            per.c.task_id, per.c.attempt, per.c.workflow_type, kind.label("kind"), path.label("path"),
-            millis_between(d, per.c.ready_at, action_at).label("latency_ms"),
-            millis_between(d, per.c.ready_at, per.c.poller_at).label("poller_ms"),
-            event_ms.label("events_ms"),
-            phase_then.label("phase"), per.c.ready_at, action_at.label("action_at"), facts_ready.label("facts_ready"),
-        )
-        .select_from(per.outerjoin(t, sa.cast(tt.col("id", t), sa.String) == per.c.task_id))
-    )
+    per = window_sql(engine, tt, since, until, types).subquery("pb_per_task")
+    facts = facts_sql_from(engine, tt, per, spans).subquery("pb_facts")
+    return kinds_sql(engine, tt.dialect_name, facts, until, objective=objective, tolerance=tolerance, control=control)
+
+
+@contextmanager
+def classified(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
+               types: Sequence[str] | None = None, objective: float = 1.0, tolerance: float = 10.0,
+               spans: Sequence[PhaseSpan] | None = None, control: bool = False
+               ) -> Iterator[tuple[Connection, sa.TableClause]]:
+    """The classification materialized in temporary tables, for the caller's queries on ``conn``.
+
+    Each layer is computed once, with set-based joins, PostgreSQL's JIT off (its compile time exceeded
+    the query's) and enough ``work_mem`` to hash instead of sorting on disk."""
+    spans = list(spans) if spans is not None else phase_spans(engine, types)
+    suffix = uuid.uuid4().hex[:8]
+    names = [f"pb_rec_{layer}_{suffix}" for layer in ("window", "facts", "kinds")]
+    with read_only(engine).connect() as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("SET LOCAL jit = off")
+            conn.exec_driver_sql("SET LOCAL work_mem = '256MB'")
+        try:
+            per = _materialize(conn, names[0], window_sql(engine, tt, since, until, types))
+            facts = _materialize(conn, names[1], facts_sql_from(engine, tt, per, spans))
+            kinds = _materialize(conn, names[2], kinds_sql(engine, tt.dialect_name, facts, until, objective=objective,
+                                                           tolerance=tolerance, control=control))
+            yield conn, kinds
+        finally:
+            for name in reversed(names):
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+
+
+def _materialize(conn: Connection, name: str, select: sa.Select[Any]) -> sa.TableClause:
+    # Rendered with literal values: DDL takes no bound parameters. Every value is a timestamp, a number or
+    # a validated workflow type name, and the dialect's literal renderer quotes and escapes them.
+    compiled = select.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
+    conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {name} AS {compiled}".replace("%", "%%")
+                         if conn.dialect.name == "postgresql" else f"CREATE TEMPORARY TABLE {name} AS {compiled}")
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"ANALYZE {name}")
+    return sa.table(name, *[sa.column(col.name, col.type) for col in select.selected_columns])
 
 
 def _tolerance_before(engine: Engine, until: datetime, tolerance: float) -> Any:
-    return _bind_time(engine, until - timedelta(seconds=tolerance))
+    return bind_time(engine, until - timedelta(seconds=tolerance))
 
 
 def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float) -> sa.Select[Any]:
@@ -253,34 +353,77 @@ def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float) ->
     kind = sa.case((sa.and_(since.is_not(None), since < db_ago(tt.dialect_name, tolerance)), "missing"),
                    else_="pending")
     q = (sa.select(sa.cast(tt.col("id"), sa.String).label("task_id"), workflow_type.label("workflow_type"),
-                   kind.label("kind"), since.label("ready_at"))
+                   kind.label("kind"), since.label("ready_at"),
+                   millis_between(tt.dialect_name, since, db_now(tt.dialect_name)).label("waiting_ms"))
          .select_from(src).where(ready_predicate(tt, t)))
     if types:
         q = q.where(workflow_type.in_(list(types)))
     return q
 
 
+def current_phases(conn: Any) -> dict[str, str]:
+    return {name: phase for name, phase in conn.execute(sa.select(flags.c.workflow_type, flags.c.phase)).all()}
+
+
 def count_by_type(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
                   types: Sequence[str] | None = None, objective: float = 1.0,
-                  tolerance: float = 10.0) -> dict[str, TypeCounts]:
+                  tolerance: float = 10.0, include_unacted: bool = True, control: bool = False,
+                  spans: Sequence[PhaseSpan] | None = None) -> dict[str, TypeCounts]:
     """Per workflow type, how many tasks of each kind (see the module docstring) in the window.
 
-    Tasks ready now and not dispatched by anyone count only for types whose phase today makes the
-    event path responsible (anything but ``polling``)."""
-    inner = classify_sql(engine, tt, since, until, types=types, objective=objective, tolerance=tolerance).subquery()
-    grouped = sa.select(inner.c.workflow_type, inner.c.kind, sa.func.count()).group_by(
-        inner.c.workflow_type, inner.c.kind)
+    Tasks ready now and not dispatched by anyone (``include_unacted``: only meaningful when the window
+    ends now) count for types whose phase today makes the event path responsible (anything but
+    ``polling``), or for every type with ``control`` (then the poller is the one judged)."""
+    with classified(engine, tt, since, until, types=types, objective=objective, tolerance=tolerance, spans=spans,
+                    control=control) as (conn, kinds):
+        return counts_from(conn, tt, kinds, types=types, tolerance=tolerance, include_unacted=include_unacted,
+                           control=control)
+
+
+def counts_from(conn: Connection, tt: TaskTable, kinds: sa.FromClause, *, types: Sequence[str] | None,
+                tolerance: float, include_unacted: bool, control: bool) -> dict[str, TypeCounts]:
+    grouped = sa.select(kinds.c.workflow_type, kinds.c.kind, sa.func.count()).group_by(
+        kinds.c.workflow_type, kinds.c.kind)
     out: dict[str, dict[str, int]] = {}
-    with read_only(engine).connect() as conn:
-        for workflow_type, kind, n in conn.execute(grouped):
-            out.setdefault(workflow_type or "", {})[kind] = int(n)
-        phases = dict(conn.execute(sa.select(flags.c.workflow_type, flags.c.phase)).all())
+    for workflow_type, kind, n in conn.execute(grouped):
+        out.setdefault(workflow_type or "", {})[kind] = int(n)
+    if include_unacted:
+        phases = current_phases(conn)
         unacted = unacted_sql(tt, types, tolerance).subquery()
         for workflow_type, kind, n in conn.execute(
                 sa.select(unacted.c.workflow_type, unacted.c.kind, sa.func.count())
                 .group_by(unacted.c.workflow_type, unacted.c.kind)):
-            if phases.get(workflow_type, "polling") == "polling":
+            if not control and phases.get(workflow_type, "polling") == "polling":
                 continue
             bucket = out.setdefault(workflow_type or "", {})
             bucket[kind] = bucket.get(kind, 0) + int(n)
     return {name: TypeCounts(name, counts) for name, counts in sorted(out.items())}
+
+
+PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
+
+
+def latency_by_type(conn: Connection, kinds: sa.FromClause) -> dict[str, dict[str, dict[str, float | int]]]:
+    """Nearest-rank p50/p90/p99/max and n of ready -> action per type and path, computed in SQL (window
+    functions, on both dialects): ``{type: {"poller"|"events"|"fallback": {"p50", ..., "max", "n"}}}``."""
+    c = kinds.c
+    parts = [sa.select(c.workflow_type, sa.literal(name).label("path"), column.label("ms")).where(column.is_not(None))
+             for name, column in (("poller", c.poller_ms), ("events", c.events_ms), ("fallback", c.fallback_ms))]
+    lat = sa.union_all(*parts).subquery("pb_lat")
+    ranked = sa.select(
+        lat.c.workflow_type, lat.c.path, lat.c.ms,
+        sa.func.row_number().over(partition_by=(lat.c.workflow_type, lat.c.path), order_by=lat.c.ms).label("rn"),
+        sa.func.count().over(partition_by=(lat.c.workflow_type, lat.c.path)).label("n"),
+    ).subquery("pb_ranked")
+    r = ranked.c
+    # Nearest rank ceil(q * n / 100) in integer arithmetic: SQLite has no ceil() everywhere.
+    cols = [sa.func.max(sa.case((r.rn == (q * r.n + 99) // 100, r.ms))).label(name) for name, q in PERCENTILES]
+    q = sa.select(r.workflow_type, r.path, *cols, sa.func.max(r.ms).label("max"), sa.func.max(r.n).label("n")) \
+        .group_by(r.workflow_type, r.path)
+    out: dict[str, dict[str, dict[str, float | int]]] = {}
+    for row in conn.execute(q):
+        stats: dict[str, float | int] = {name: round(float(getattr(row, name)), 3) for name, _ in PERCENTILES}
+        stats["max"] = round(float(row.max), 3)
+        stats["n"] = int(row.n)
+        out.setdefault(row.workflow_type or "", {})[row.path] = stats
+    return out

@@ -550,6 +550,8 @@ def _register() -> None:
 
     cli.add_command(flags)
     cli.add_command(rollback_cmd)
+    from bridge.cli.reconcile import reconcile
+    cli.add_command(reconcile)
     from bridge.cli.guardian import guardian
     cli.add_command(guardian)
 

@@ -1,0 +1,141 @@
+"""``pollbridge reconcile``: both paths side by side over a window, with the gate verdict per type.
+
+Exit codes: 0 (also when a type fails, unless ``--gate``), 1 with ``--gate`` when any type fails,
+2 bad input (an unparseable time, ``--until`` before ``--since``, a bad type name).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from bridge.db import check_connection, create_engine
+from bridge.exceptions import ConfigError
+from bridge.flags import validate_type_name
+from bridge.promotion import db_clock
+from bridge.report import Report, build_report, parse_when
+from bridge.report_html import render_html
+from bridge.tasktable import reflect_tables
+
+STAGES = 4  # classifying, latency percentiles, histograms, mismatches
+
+
+def _settings(ctx: click.Context) -> object:
+    from bridge.cli.main import settings_of
+
+    return settings_of(ctx)
+
+
+@click.command("reconcile")
+@click.option("--type", "types", multiple=True, envvar="POLLBRIDGE_RECONCILE_TYPES", show_envvar=True,
+              help="Only this workflow type (repeatable) [default: every type].")
+@click.option("--since", default="1h", envvar="POLLBRIDGE_RECONCILE_SINCE", show_envvar=True,
+              help="Start of the window: a duration ago (30m, 2h, 1d) or an ISO time (UTC unless it says).")
+@click.option("--until", default=None, envvar="POLLBRIDGE_RECONCILE_UNTIL", show_envvar=True,
+              help="End of the window [default: now].")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "html"]), default="table",
+              envvar="POLLBRIDGE_RECONCILE_FORMAT", show_envvar=True, help="Output format.")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              envvar="POLLBRIDGE_RECONCILE_OUTPUT", show_envvar=True, help="Write to this file instead of stdout.")
+@click.option("--gate", is_flag=True, envvar="POLLBRIDGE_RECONCILE_GATE", show_envvar=True,
+              help="Exit 1 when any type fails its criteria.")
+@click.option("--control", is_flag=True, envvar="POLLBRIDGE_RECONCILE_CONTROL", show_envvar=True,
+              help="Judge the legacy poller against itself: the disagreement that is inherent.")
+@click.option("--limit", type=click.IntRange(1, 1_000_000), default=1000, envvar="POLLBRIDGE_RECONCILE_LIMIT",
+              show_envvar=True, help="Most mismatches listed.")
+@click.pass_context
+def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str | None, fmt: str,
+              output: str | None, gate: bool, control: bool, limit: int) -> None:
+    """Compare what the poller and the event path did for every task that became ready in the window."""
+    for name in types:
+        validate_type_name(name)
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)  # type: ignore[attr-defined]
+    try:
+        check_connection(engine)
+        now = db_clock(engine)
+        start = parse_when(since, now)
+        end = parse_when(until, now) if until else now
+        if end <= start:
+            raise ConfigError(f"--until ({end.isoformat()}) must be after --since ({start.isoformat()})")
+        tt = reflect_tables(engine, settings.mapping)  # type: ignore[attr-defined]
+        show_progress = fmt == "table" or output is not None
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=True, disable=not show_progress) as bar:
+            job = bar.add_task("reconciling", total=STAGES)
+
+            def step(what: str) -> None:
+                bar.update(job, description=what, advance=0 if what == "classifying" else 1)
+
+            report = build_report(engine, tt, start, end, types=list(types) or None,
+                                  settings=settings.gates, control=control, now=now,  # type: ignore[attr-defined]
+                                  mismatch_limit=limit, progress=step)
+            bar.update(job, completed=STAGES)
+    finally:
+        engine.dispose()
+    if fmt == "json":
+        text = json.dumps(report.to_json(), indent=2)
+    elif fmt == "html":
+        text = render_html(report)
+    else:
+        text = ""
+    if output is not None:
+        Path(output).write_text(text if fmt != "table" else _table_text(report), encoding="utf-8")
+        click.echo(f"report written to {output}: verdict {report.verdict}", err=True)
+    elif fmt == "table":
+        _print_table(report)
+    else:
+        click.echo(text)
+    if gate and report.verdict == "fail":
+        failed = [f"{t.workflow_type} ({', '.join(c.name for c in t.criteria if not c.passed)})"
+                  for t in report.types if t.verdict == "fail"]
+        click.echo(f"pollbridge: gate failed for {'; '.join(failed)}", err=True)
+        ctx.exit(1)
+
+
+def _table(report: Report) -> Table:
+    table = Table("type", "phase", "tasks", "compared", "matched", "missing", "extra", "dup", "early", "late",
+                  "pending", "poller p50/p99", "events p50/p99", "miss ≤95%", "verdict",
+                  title=f"reconcile {report.since:%Y-%m-%d %H:%M:%S} → {report.until:%H:%M:%S}"
+                        f"{' (control)' if report.control else ''}")
+    for t in report.types:
+        c = t.counts
+
+        def lat(path: str, t: object = t) -> str:
+            stats = t.latency_ms.get(path)  # type: ignore[attr-defined]
+            return f"{stats['p50']:.0f}/{stats['p99']:.0f} ms" if stats else "-"
+
+        table.add_row(t.workflow_type, t.phase, str(sum(c.values())), str(t.compared),
+                      *(str(c.get(k, 0)) for k in ("matched", "missing", "extra", "duplicate", "early", "late",
+                                                   "pending")),
+                      lat("poller"), lat("events"), f"{t.miss_rate_upper:.3%}", t.verdict)
+    return table
+
+
+def _print_table(report: Report) -> None:
+    console = Console(width=170)
+    console.print(_table(report))
+    for t in report.types:
+        for c in t.criteria:
+            if not c.passed:
+                console.print(f"  {t.workflow_type}: [red]FAIL[/red] {c.name}: {c.detail}")
+    if report.mismatches:
+        console.print(f"mismatches ({len(report.mismatches)}{'+' if report.mismatches_truncated else ''}):")
+        for m in report.mismatches[:20]:
+            console.print(f"  {m.kind:<9} {m.workflow_type} task {m.task_id}: {m.detail}")
+        if len(report.mismatches) > 20:
+            console.print("  … (--format json lists them all)")
+    console.print(f"verdict: {report.verdict}")
+
+
+def _table_text(report: Report) -> str:
+    import io
+
+    console = Console(width=170, record=True, file=io.StringIO())
+    console.print(_table(report))
+    return console.export_text()
