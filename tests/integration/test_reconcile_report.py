@@ -1,0 +1,234 @@
+"""The reconcile report on real paths: a type walked polling -> dual_write -> selective by the real
+poller, relay and event scheduler, then classified (both dialects).
+
+Proves: the report sees what each path did (matched shadow decisions and event dispatches, the
+poller's dispatches while authoritative), the phases over the window come from the audit trail, the
+latency percentiles are the dispatch log's figures, a planted fallback dispatch is a ``missing`` with
+its explanation, a planted early dispatch and a duplicate are caught, the verdict follows the
+criteria, the HTML is self-contained and escapes what it shows, and ``--control`` judges the poller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from bridge.bus import open_bus
+from bridge.flag_router import FlagRouter
+from bridge.flags import FlagStore
+from bridge.promotion import db_clock
+from bridge.relay import Relay
+from bridge.report import Report, build_report, parse_when
+from bridge.report_html import render_html
+from bridge.schema import dispatch_log
+from bridge.settings import GateSettings, RelaySettings, SchedulerSettings, WorkerSettings
+from bridge.tasktable import TaskTable
+from bridge.verify import percentile
+from bridge.workload import TaskSpec, WorkflowSpec, seed
+from event_scheduler.scheduler import EventScheduler
+from legacy_poller.poller import LegacyPoller
+from legacy_poller.workers import WorkerPool
+
+CHAIN = (TaskSpec("a"), TaskSpec("b", ("a",)), TaskSpec("c", ("b",)))
+GATES = GateSettings(min_tasks=10, miss_budget=0.5, tolerance=1.0)
+
+
+@dataclass
+class Drive:
+    engine: Engine
+    tables: TaskTable
+    store: FlagStore
+    router: FlagRouter
+    relay: Relay
+    sched: EventScheduler
+    poller: LegacyPoller
+    workers: WorkerPool
+
+    def load(self, prefix: str, n: int, workflow_type: str = "orders") -> None:
+        with self.engine.begin() as conn:
+            seed(conn, self.tables, [WorkflowSpec(f"{prefix}{i}", workflow_type, CHAIN) for i in range(n)])
+
+    def run(self, rounds: int) -> None:
+        for i in range(rounds):
+            while self.relay.publish_batch():
+                pass
+            while self.sched.poll_once(block=0.0):
+                pass
+            if i % 4 == 0:
+                self.poller.scan_once()
+            while self.workers.work_one():
+                pass
+
+    def phase(self, phase: str, percent: float | None = None) -> None:
+        self.store.change("orders", phase, actor="test", reason="walk", percent=percent)
+        self.router.refresh()
+
+
+@pytest.fixture
+def drive(engine: Engine, tables: TaskTable) -> Iterator[Drive]:
+    store = FlagStore(engine, default_grace=0.2)
+    router = FlagRouter(store, refresh_interval=3600, registry=CollectorRegistry())
+    router.refresh()
+    bus = open_bus("embedded", engine=engine, partitions=2)
+    sched = EventScheduler(engine, tables, bus, SchedulerSettings(group="rec"), router, visibility_timeout=0.2,
+                           registry=CollectorRegistry(), holder="rec-test")
+    sched.refresh_leases()
+    d = Drive(engine, tables, store, router, Relay(engine, bus, RelaySettings(), statuses=tables.mapping.statuses),
+              sched, LegacyPoller(engine, tables, router=router, registry=CollectorRegistry()),
+              WorkerPool(engine, tables, WorkerSettings(concurrency=1, min_duration=0.0, max_duration=0.0), seed=1))
+    try:
+        yield d
+    finally:
+        bus.close()
+
+
+def _walk(d: Drive) -> tuple[Any, Any]:
+    """polling (5 instances) -> dual_write (6) -> selective 100% (6); returns (start, end) on the DB clock."""
+    start = db_clock(d.engine) - timedelta(seconds=1)
+    d.load("p", 5)
+    d.run(16)
+    d.phase("dual_write")
+    d.load("d", 6)
+    d.run(16)
+    d.phase("selective")
+    d.load("s", 6)
+    d.run(16)
+    return start, db_clock(d.engine) + timedelta(seconds=1)
+
+
+def _report(d: Drive, start: Any, end: Any, **kwargs: Any) -> Report:
+    return build_report(d.engine, d.tables, start, end, settings=GATES, **kwargs)
+
+
+def test_the_report_sees_both_paths_over_a_walk_through_the_phases(drive: Drive) -> None:
+    start, end = _walk(drive)
+    report = _report(drive, start, end)
+    (orders,) = report.types
+    c = orders.counts
+    # 5 polling instances: the poller's alone; 6 dual_write: the poller's dispatches, each matched by a
+    # shadow decision; 6 selective (every instance): dispatched by the event path.
+    assert c.get("poller", 0) == 15
+    assert c.get("matched", 0) == 18 + 18
+    assert sum(c.get(k, 0) for k in ("missing", "extra", "duplicate", "early")) == 0
+    assert [p.phase for p in orders.phases] == ["polling", "dual_write", "selective"]
+    assert orders.phase == "selective"
+    assert orders.verdict == "pass" and report.verdict == "pass"
+    assert [ch.new_phase for ch in report.flag_changes] == ["dual_write", "selective"]
+    # The events latency is the dispatch log's (selective) and decision (dual_write) figures.
+    with drive.engine.connect() as conn:
+        rows = conn.execute(sa.select(dispatch_log.c.path, dispatch_log.c.ready_at, dispatch_log.c.dispatched_at)
+                            .where(dispatch_log.c.path == "events")).all()
+    assert orders.latency_ms["events"]["n"] == 18 + 18
+    event_ms = sorted((r.dispatched_at - r.ready_at).total_seconds() * 1000 for r in rows)
+    assert orders.latency_ms["events"]["max"] >= max(event_ms) - 1  # decisions may be slower still
+    poller_n = orders.latency_ms["poller"]["n"]
+    assert poller_n == 15 + 18  # every poller dispatch: in polling and in dual_write
+    json_form = report.to_json()
+    assert set(json_form) >= {"window", "verdict", "types", "mismatches", "flag_changes"}
+    assert set(json_form["types"][0]) >= {"workflow_type", "phase", "tasks", "matched", "missing", "extra",
+                                          "duplicate", "early", "late", "pending", "latency_ms",
+                                          "miss_rate_upper_95", "verdict", "failed_criteria"}
+
+
+def test_planted_misses_and_violations_are_classified_and_explained(drive: Drive) -> None:
+    start, end = _walk(drive)
+    with drive.engine.begin() as conn:
+        events = conn.execute(sa.select(dispatch_log).where(dispatch_log.c.path == "events")
+                              .order_by(dispatch_log.c.id)).all()
+        missed, doubled, early = events[0], events[1], events[2]
+        # A fallback catch: the event path "missed" it.
+        conn.execute(dispatch_log.update().where(dispatch_log.c.id == missed.id).values(path="fallback"))
+        # The same attempt dispatched twice.
+        conn.execute(dispatch_log.insert().values(
+            task_id=doubled.task_id, instance_id=doubled.instance_id, workflow_type=doubled.workflow_type,
+            task_key=doubled.task_key, attempt=doubled.attempt, path="poller", ready_at=doubled.ready_at,
+            dispatched_at=doubled.dispatched_at + timedelta(milliseconds=1)))
+    # Early: a task that depends on another, recorded as dispatched before that dependency completed.
+    t = drive.tables.tasks
+    with drive.engine.begin() as conn:
+        dep_done = conn.execute(sa.select(t.c.completed_at).where(
+            t.c.instance_id == early.instance_id, t.c.task_key == "a")).scalar_one()
+        target = conn.execute(sa.select(dispatch_log.c.id).where(
+            dispatch_log.c.instance_id == early.instance_id, dispatch_log.c.task_key == "b")).scalar_one()
+        conn.execute(dispatch_log.update().where(dispatch_log.c.id == target)
+                     .values(dispatched_at=dep_done - timedelta(seconds=1)))
+    report = _report(drive, start - timedelta(seconds=5), end)
+    (orders,) = report.types
+    assert orders.counts.get("missing") == 1
+    assert orders.counts.get("duplicate") == 1
+    assert orders.counts.get("early") == 1
+    kinds = {m.kind: m for m in report.mismatches}
+    assert "fallback" in kinds["missing"].detail and kinds["missing"].task_id == missed.task_id
+    assert "2 times" in kinds["duplicate"].detail
+    assert "before its readiness" in kinds["early"].detail
+    assert orders.verdict == "fail"
+    failed = {c.name for c in orders.criteria if not c.passed}
+    assert failed == {"no_early", "no_duplicate"}
+
+
+def test_too_few_tasks_fail_and_a_polling_type_is_not_judged(drive: Drive) -> None:
+    drive.load("q", 3, workflow_type="reports")  # reports stays in polling
+    start, end = _walk(drive)
+    strict = GateSettings(min_tasks=1000, tolerance=1.0)
+    report = build_report(drive.engine, drive.tables, start, end, settings=strict)
+    by_type = {t.workflow_type: t for t in report.types}
+    assert by_type["orders"].verdict == "fail"
+    assert [c.name for c in by_type["orders"].criteria if not c.passed] == ["min_tasks", "miss_rate"]
+    assert by_type["reports"].criteria == () and by_type["reports"].verdict == "pass"
+    assert report.verdict == "fail"
+
+
+def test_control_judges_the_poller_against_itself(drive: Drive) -> None:
+    start, end = _walk(drive)
+    report = _report(drive, start, end, control=True)
+    (orders,) = report.types
+    # Every poller dispatch is judged; the event path's own dispatches are not.
+    assert orders.counts.get("matched", 0) + orders.counts.get("late", 0) == 15 + 18
+    assert orders.counts.get("events", 0) == 18
+    assert report.control and report.to_json()["control"] is True
+
+
+def test_html_is_self_contained_and_escapes(drive: Drive) -> None:
+    start, _end = _walk(drive)
+    drive.store.change("orders", "polling", actor="<script>x</script>", reason="r", action="rollback")
+    report = _report(drive, start, db_clock(drive.engine) + timedelta(seconds=1))
+    html = render_html(report)
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert "src=" not in html and "href=" not in html  # nothing external
+    assert html.count("<svg") == 2  # the CDF and the timeline of the one type
+
+    class Collect(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags: list[str] = []
+
+        def handle_starttag(self, tag: str, attrs: Any) -> None:
+            self.tags.append(tag)
+
+    parser = Collect()
+    parser.feed(html)
+    assert {"table", "svg", "polyline", "h1"} <= set(parser.tags)
+
+
+def test_parse_when() -> None:
+    from datetime import UTC, datetime
+
+    from bridge.exceptions import ConfigError
+
+    now = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    assert parse_when("30m", now) == now - timedelta(minutes=30)
+    assert parse_when("2h", now) == now - timedelta(hours=2)
+    assert parse_when("1d", now) == now - timedelta(days=1)
+    assert parse_when("2026-11-29T10:00:00", now) == datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+    for bad in ("yesterday", "-5m", "", "5x"):
+        with pytest.raises(ConfigError):
+            parse_when(bad, now)
+    assert percentile([1.0, 2.0], 50) == 1.0
