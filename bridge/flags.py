@@ -26,7 +26,7 @@ from bridge.exceptions import FlagError, FlagStoreUnavailable
 from bridge.routing import PHASES, Flag, Phase
 from bridge.schema import flag_audit, flags
 
-TYPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}$")
+TYPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}")
 #: Per-type overrides a flag may carry (``flags set --threshold NAME=VALUE``): gate and guardian settings.
 THRESHOLDS = ("min_tasks", "miss_budget", "objective", "tolerance", "max_outbox_age", "max_lag", "max_miss_rate")
 ACTIONS = ("set", "rollback", "guardian")
@@ -59,7 +59,7 @@ class FlagChange:
 
 
 def validate_type_name(name: str) -> str:
-    if not isinstance(name, str) or not TYPE_NAME.match(name):
+    if not isinstance(name, str) or not TYPE_NAME.fullmatch(name):
         raise FlagError(f"invalid workflow type name {name!r}: use 1-200 letters, digits and _ . : / @ + - "
                         "(starting with a letter or digit)")
     return name

@@ -18,6 +18,7 @@ The gates:
 from __future__ import annotations
 
 import getpass
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,15 @@ from sqlalchemy.engine import Engine
 from bridge.capture import capture_status
 from bridge.db import db_now, read_only
 from bridge.exceptions import FlagError, GateRefused
-from bridge.flags import FlagChange, FlagStore, describe, validate_percent, validate_phase, validate_reason
+from bridge.flags import (
+    FlagChange,
+    FlagStore,
+    describe,
+    validate_percent,
+    validate_phase,
+    validate_reason,
+    validate_thresholds,
+)
 from bridge.reconcile import count_by_type, miss_rate_upper
 from bridge.routing import PHASES, Flag, Phase
 from bridge.settings import GateSettings
@@ -164,6 +173,9 @@ def set_phase(engine: Engine, tt: TaskTable | None, store: FlagStore, settings: 
     percent = validate_percent(percent, target)
     reason = validate_reason(reason)
     actor = validate_reason(actor or default_actor(), "actor")
+    validate_thresholds(thresholds or {})  # bad input is exit 2 before any gate is evaluated
+    if grace_seconds is not None and (not math.isfinite(grace_seconds) or grace_seconds <= 0):
+        raise FlagError(f"grace must be a positive number of seconds, got {grace_seconds!r}")
     old = store.get(workflow_type)
     if (old.phase, old.percent) == (target, percent) and not thresholds and grace_seconds is None:
         return Outcome(None, None, old)
