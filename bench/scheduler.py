@@ -266,6 +266,27 @@ def wait_for_roots(engine: sa.Engine, procs: Processes, prefix: str, instances: 
         time.sleep(0.2)
 
 
+def wait_for_schedulers(url: str, count: int, timeout: float = 60.0) -> None:
+    """Until ``count`` schedulers are members and every partition is leased (the start-up rebalancing is
+    over), so the measured phases do not include a start-up catch-up."""
+    engine = create_engine(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                members = conn.execute(sa.text("SELECT count(*) FROM pollbridge_scheduler_members")).scalar_one()
+                holders = conn.execute(sa.text(
+                    "SELECT count(DISTINCT holder), count(*) FILTER (WHERE holder IS NULL) "
+                    "FROM pollbridge_scheduler_leases")).one()
+            if members == count and holders[0] == count and holders[1] == 0:
+                time.sleep(1.0)
+                return
+            time.sleep(0.2)
+    finally:
+        engine.dispose()
+    print(f"warning: the {count} scheduler(s) did not settle their leases within {timeout:.0f} s", file=sys.stderr)
+
+
 def run_phase(url: str, procs: Processes, label: str, rate: float | None, seconds: float,
               instances: int, length: int, path: str, profile: Path | None = None) -> dict[str, Any]:
     engine = create_engine(url, pool_size=4)
@@ -398,7 +419,8 @@ def main() -> None:
                                "load_at_start": load_average()}
     procs: Processes | None = None
     try:
-        with scratch_database("pollbridge_bench_scheduler", keep=args.keep) as url:
+        database = "pollbridge_bench_soak" if args.soak_minutes else "pollbridge_bench_scheduler"
+        with scratch_database(database, keep=args.keep) as url:
             engine = create_engine(url)
             install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings())
             engine.dispose()
@@ -407,7 +429,7 @@ def main() -> None:
                 procs.start("relay", "relay", "run")
                 schedulers = [procs.start(f"scheduler{i}", "scheduler", "run", "--phase", "cutover")
                               for i in range(args.schedulers)]
-                time.sleep(2.0)
+                wait_for_schedulers(url, args.schedulers)
                 rss_start = [rss_mb(p.pid) for p in schedulers]
                 if args.soak_minutes:
                     results["soak"] = soak(url, procs, schedulers, args.soak_minutes, args.soak_rate, length)

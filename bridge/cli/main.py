@@ -554,6 +554,10 @@ def _register() -> None:
     cli.add_command(reconcile)
     from bridge.cli.guardian import guardian
     cli.add_command(guardian)
+    from bridge.cli.observe import explain, metrics, status
+    cli.add_command(explain)
+    cli.add_command(status)
+    cli.add_command(metrics)
 
 
 _register()

@@ -1,0 +1,316 @@
+"""``pollbridge explain``, ``pollbridge status`` and ``pollbridge metrics serve``: seeing what both paths do.
+
+* ``explain TASK_ID [--json]``: one task's story and the answer to "why was it (not yet) triggered?"
+  (:mod:`bridge.explain`). Exit 0; 2 for an unknown task id; 1 when the database cannot be read.
+* ``status [--window S] [--json]``: the migration on one screen (:mod:`bridge.status`). Exit 0 whatever it
+  shows (an unreachable bus is reported as unknown, not a failure); 1 when the database cannot be read.
+* ``metrics serve [--host H] [--port P] [--window S]``: the same figures as a Prometheus endpoint,
+  gathered on each scrape, on 127.0.0.1 unless ``--host`` says otherwise, until SIGTERM or Ctrl-C (exit 0).
+
+The bus is optional for all three: when it cannot be opened or reached, what only it can tell (deliveries,
+lag, pending entries, dead letters) is reported as unknown with the reason. URLs are always shown masked.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from bridge.bus.abc import EventBus
+from bridge.db import check_connection, create_engine, mask_url
+from bridge.exceptions import ConfigError, PollbridgeError
+from bridge.settings import Settings
+from bridge.status import DEFAULT_WINDOW
+
+#: Seconds a Redis call may take here: a hung bus must not hang a status, an explain or a scrape.
+BUS_TIMEOUT = 3.0
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
+                           help="Machine-readable output.")
+WINDOW_OPTION = click.option("--window", type=click.FloatRange(min=0.001), default=DEFAULT_WINDOW,
+                             envvar="POLLBRIDGE_STATUS_WINDOW", show_envvar=True,
+                             help="Seconds of recent history the dispatch and decision counts cover.")
+
+
+class ObserveError(PollbridgeError):
+    """pollbridge's tables cannot be read (not installed, or the database failed mid-way). Exit 1."""
+
+
+def _settings(ctx: click.Context) -> Settings:
+    from bridge.cli.main import settings_of  # late: bridge.cli.main imports this module when registering
+
+    return settings_of(ctx)
+
+
+def open_bus_quietly(settings: Settings, engine: Engine) -> tuple[EventBus | None, str, str | None]:
+    """``(bus, masked label, why there is none)``: a bus that cannot be opened is not an error here."""
+    from bridge.bus import open_bus
+    from bridge.bus.factory import bus_scheme
+
+    label = mask_url(settings.bus_url)
+    options: dict[str, Any] = {} if bus_scheme(settings.bus_url) == "embedded" else {"socket_timeout": BUS_TIMEOUT}
+    try:
+        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
+                       namespace=settings.bus.namespace, **options)
+    except ConfigError:
+        raise  # bad input is a usage error, not an outage
+    except Exception as exc:
+        return None, label, f"bus {label} could not be opened: {_first_line(exc)}"
+    return bus, label, None
+
+
+def _not_readable(exc: SQLAlchemyError, engine: Engine) -> ObserveError:
+    return ObserveError(f"cannot read pollbridge's tables in {mask_url(engine.url)} (is pollbridge installed? "
+                        f"`pollbridge init`): {_first_line(exc)}")
+
+
+# --- explain -----------------------------------------------------------------------------------------------
+
+@click.command("explain")
+@click.argument("task_id")
+@JSON_OPTION
+@click.pass_context
+def explain(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Why TASK_ID was (or was not yet) triggered: its readiness facts, events, deliveries, decisions and
+    dispatches across both paths, and the phase of its type at each moment."""
+    from bridge.explain import explain_task
+    from bridge.flags import FlagStore
+    from bridge.tasktable import reflect_tables
+
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)
+    bus = None
+    try:
+        check_connection(engine)
+        tables = reflect_tables(engine, settings.mapping)
+        bus, _label, bus_error = open_bus_quietly(settings, engine)
+        try:
+            story = explain_task(engine, tables, task_id, bus=bus, bus_error=bus_error, group=settings.scheduler.group,
+                                 store=FlagStore(engine, default_grace=settings.router.grace))
+        except SQLAlchemyError as exc:
+            raise _not_readable(exc, engine) from None
+    finally:
+        if bus is not None:
+            bus.close()
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps(story.to_json(), indent=2))
+        return
+    _print_story(story)
+
+
+def _print_story(x: Any) -> None:
+    click.echo(x.answer.sentence)
+    console = Console(width=160)
+    r = x.readiness
+    facts = Table("fact", "value", title=f"task {x.task_id}", show_header=False)
+    facts.add_row("instance / key", f"{x.instance_id} / {x.task_key}")
+    facts.add_row("workflow type", x.workflow_type or "")
+    facts.add_row("status", f"{x.status} ({x.logical_status or 'unmapped'})")
+    if x.attempts is not None:
+        facts.add_row("attempts", f"{x.attempts} of {x.max_attempts}")
+    facts.add_row("ready now", f"yes, since {_t(r.ready_since)}" if r.ready_now else "no")
+    facts.add_row("due", "no due time" if r.due_at is None else f"{_t(r.due_at)} ({'passed' if r.due else 'future'})")
+    if r.awaits_signal is not None:
+        facts.add_row("awaited signal", f"{r.awaits_signal}: " + (f"arrived {_t(r.signal_received_at)}"
+                                                                    if r.signal_received_at else "not arrived"))
+    for s in r.signals:
+        facts.add_row("signal recorded", f"{s.kind} by {s.actor or '?'} at {_t(s.received_at)}")
+    flag = x.flag
+    facts.add_row("flag now", f"{flag.phase}{'' if flag.percent is None else f' {flag.percent:g}%'} "
+                              f"({flag.source}; grace {flag.grace_seconds:g} s; event route {flag.event_route}, "
+                              f"poller route {flag.poller_route})")
+    if x.phases:
+        facts.add_row("phase history", "; ".join(f"{s.phase} from {_t(s.since) if s.since else 'the start'}"
+                                                 for s in x.phases))
+    console.print(facts)
+    if r.dependencies:
+        deps = Table("dependency", "task id", "status", "completed at", "met", title="dependencies")
+        for d in r.dependencies:
+            deps.add_row(d.key, d.task_id or "(missing)", d.status or "", _t(d.completed_at), "yes" if d.met else "NO")
+        console.print(deps)
+    events = Table(title=f"outbox events ({len(x.events)}{', latest only' if x.events_truncated else ''})")
+    for column in ("event id", "change", "status", "trace id", "created", "published", "relay p.", "delivery"):
+        events.add_column(column, overflow="fold")
+    for e in x.events:
+        d = e.delivery
+        where = f" p{d.partition}#{d.entry_id}" if d.entry_id else ""
+        events.add_row(e.event_id, e.change, f"{e.old_status or '-'} -> {e.new_status or '-'}", e.trace_id or "",
+                       _t(e.created_at), _t(e.published_at), str(e.relay_partition), f"{d.state}{where}")
+    console.print(events)
+    if x.decisions:
+        decs = Table("attempt", "ready at", "decided at", "latency ms", "trace id", "traced change", "phase then",
+                     title="shadow decisions of the event path")
+        for c in x.decisions:
+            decs.add_row(str(c.attempt), _t(c.ready_at), _t(c.decided_at), _ms(c.latency_ms), c.trace_id or "",
+                         _traced(c.trace_event), c.phase)
+        console.print(decs)
+    disp = Table("attempt", "path", "ready at", "dispatched at", "latency ms", "trace id", "traced change",
+                 "phase then", title="dispatches")
+    for p in x.dispatches:
+        disp.add_row(str(p.attempt), p.path, _t(p.ready_at), _t(p.dispatched_at), _ms(p.latency_ms),
+                     p.trace_id or "", _traced(p.trace_event), p.phase)
+    console.print(disp)
+
+
+# --- status ------------------------------------------------------------------------------------------------
+
+@click.command("status")
+@WINDOW_OPTION
+@JSON_OPTION
+@click.pass_context
+def status(ctx: click.Context, window: float, as_json: bool) -> None:
+    """The migration on one screen: per workflow type its phase and recent dispatches by path, fallback
+    misses and shadow decisions; the outbox backlog, consumer lag, pending entries, dead letters,
+    guardian demotions and the flag store's health."""
+    settings = _settings(ctx)
+    engine = create_engine(settings.database_url)
+    bus = None
+    try:
+        check_connection(engine)
+        bus, label, bus_error = open_bus_quietly(settings, engine)
+        state = _gather(settings, engine, bus, label, bus_error, window)
+    finally:
+        if bus is not None:
+            bus.close()
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps(state.to_json(), indent=2))
+        return
+    _print_status(state)
+
+
+def _gather(settings: Settings, engine: Engine, bus: EventBus | None, label: str, bus_error: str | None,
+            window: float) -> Any:
+    from bridge.flags import FlagStore
+    from bridge.status import gather_status
+
+    try:
+        return gather_status(engine, bus=bus, bus_label=label, bus_error=bus_error, group=settings.scheduler.group,
+                             window=window, store=FlagStore(engine, default_grace=settings.router.grace),
+                             database_label=mask_url(settings.database_url))
+    except SQLAlchemyError as exc:
+        raise _not_readable(exc, engine) from None
+
+
+def _print_status(s: Any) -> None:
+    console = Console(width=160)
+    table = Table("workflow type", "phase", "poller", "events", "fallback (misses)", "shadow decisions",
+                  "guardian demotions",
+                  title=f"pollbridge status: {s.database}, last {s.window_seconds:g} s (at {_t(s.checked_at)})")
+    for t in s.types:
+        phase = t.phase + (f" {t.percent:g}%" if t.percent is not None else "") + \
+            (" (no flag)" if t.flag_source == "default" else "")
+        table.add_row(t.workflow_type or "(none)", phase, str(t.dispatches.get("poller", 0)),
+                      str(t.dispatches.get("events", 0)), str(t.fallback_misses), str(t.decisions),
+                      str(t.guardian_demotions))
+    if not s.types:
+        table.add_row("(no workflow type with a flag or recent activity)", "", "", "", "", "", "")
+    console.print(table)
+    click.echo(f"outbox: {s.outbox_backlog} unpublished, oldest {s.outbox_oldest_age_seconds:.1f} s old; "
+               f"{s.outbox_dead_letters} dead-lettered by the relay")
+    b = s.bus
+    if b.state == "ok":
+        parts = ", ".join(f"p{p}={n}" for p, n in sorted((b.lag_partitions or {}).items()))
+        click.echo(f"bus {b.url} (group {b.group}): lag {b.lag} ({parts}); {b.pending} pending (delivered, not "
+                   f"acknowledged); {b.dead_letters} dead letters")
+    else:
+        click.echo(f"bus {b.url} (group {b.group}): lag, pending and dead letters unknown: {b.reason}")
+    demotions = sum(t.guardian_demotions for t in s.types)
+    if s.guardian_recent:
+        last = s.guardian_recent[0]
+        click.echo(f"guardian: {demotions} demotion(s); latest {last.workflow_type} {last.old_phase} -> "
+                   f"{last.new_phase} at {_t(last.changed_at)}: {last.reason}")
+    else:
+        click.echo("guardian: no demotion recorded")
+    click.echo(f"flag store: {'up' if s.flag_store_up else 'DOWN'} ({s.flag_store_detail})")
+
+
+# --- metrics serve -----------------------------------------------------------------------------------------
+
+@click.group("metrics")
+def metrics() -> None:
+    """Prometheus metrics of the whole migration."""
+
+
+@metrics.command("serve")
+@click.option("--host", default="127.0.0.1", envvar="POLLBRIDGE_METRICS_SERVE_HOST", show_envvar=True,
+              help="Address to listen on (127.0.0.1: this host only; 0.0.0.0 exposes it to the network).")
+@click.option("--port", type=click.IntRange(0, 65535), default=9464, envvar="POLLBRIDGE_METRICS_SERVE_PORT",
+              show_envvar=True, help="Port to listen on (0: any free port, printed at start).")
+@WINDOW_OPTION
+@click.pass_context
+def metrics_serve(ctx: click.Context, host: str, port: int, window: float) -> None:
+    """Serve /metrics (everything `status` shows, gathered on each scrape) until SIGTERM or Ctrl-C."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from bridge.cli.main import _stop_on_signals
+    from bridge.status import StatusCollector
+
+    settings = _settings(ctx)
+    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = create_engine(settings.database_url)
+    bus = None
+    try:
+        check_connection(engine)
+        bus, label, bus_error = open_bus_quietly(settings, engine)
+        opened = bus
+
+        def gather() -> Any:
+            return _gather(settings, engine, opened, label, bus_error, window)
+
+        registry = CollectorRegistry()
+        registry.register(StatusCollector(gather))
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            raise ObserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        bound = server.server_address[1]
+        click.echo(f"metrics on http://{_host_text(host)}:{bound}/metrics ({mask_url(settings.database_url)}, "
+                   f"bus {label}), window {window:g} s", err=True)
+        try:
+            stop.wait()
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+        click.echo("metrics server stopped", err=True)
+    finally:
+        if bus is not None:
+            bus.close()
+        engine.dispose()
+
+
+def _host_text(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+def _t(value: Any) -> str:
+    if value is None:
+        return ""
+    text: str = value.isoformat(sep=" ", timespec="milliseconds")
+    return text.replace("+00:00", "Z")
+
+
+def _traced(event: Any) -> str:
+    """The captured change a trace id came from (``task key: change -> status``), if still in the outbox."""
+    if event is None:
+        return ""
+    return f"{event.task_key}: {event.change} -> {event.new_status}"
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
