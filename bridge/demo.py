@@ -1,9 +1,14 @@
-"""``pollbridge demo``: a workload run end to end on the legacy poller, with the invariants checked.
+"""``pollbridge demo``: the whole migration on one workload, with the invariants checked.
 
-It seeds instances of three workflow types (chain, fan-out/fan-in and stacked-diamond DAGs, some
-tasks with due times) under a fresh ``demo-<run>`` prefix, runs the poller and the demo workers
-until every task is settled, then verifies the run independently (:mod:`bridge.verify`) and
-summarises latency, scans and statements per dispatch. Only this run's instances are reported.
+It builds instances of three workflow types (chain, fan-out/fan-in and stacked-diamond DAGs, some
+tasks with due times, some awaiting a signal) under a fresh ``demo-<run>`` prefix, starts every
+component in this process (:class:`bridge.runall.Stack`: relay, event scheduler, poller, guardian, demo
+workers) and walks the types through ``polling``, ``dual_write`` (and prints the reconciler's
+report), ``selective`` at 50%, ``cutover`` and a rollback, each promotion through its gate (with
+thresholds sized to the demo; a refusal is recorded, then forced and audited as such). Each stage
+runs a fresh slice of the workload to completion and is measured: ready→dispatch latency per path,
+database statements per dispatch and per idle second of each path, misses, lost, double and early
+dispatches (verified independently by :mod:`bridge.verify`). Only this run's instances are reported.
 """
 
 from __future__ import annotations
@@ -18,19 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry
 
 from bridge import install
 from bridge.db import StatementCounter, check_connection, create_engine, db_now, mask_url, read_only
 from bridge.demo_schema import is_default_mapping
 from bridge.exceptions import WorkloadError
-from bridge.settings import Settings
+from bridge.settings import GateSettings, Settings
 from bridge.tasktable import TaskTable, reflect_tables
 from bridge.verify import Verdict, percentile, verify
 from bridge.workload import TaskSpec, WorkflowSpec, demo_workload, seed
 from legacy_poller.poller import LegacyPoller
-from legacy_poller.runner import PollerRunner
-from legacy_poller.workers import WorkerPool
 
 Progress = Callable[[int, int], None]
 
@@ -68,7 +70,41 @@ def load_workload_file(path: str, prefix: str) -> list[WorkflowSpec]:
     return specs
 
 
-def run_demo(settings: Settings, options: DemoOptions, progress: Progress | None = None) -> dict[str, Any]:
+STAGES: tuple[tuple[str, str, float | None], ...] = (
+    ("polling", "polling", None),
+    ("dual_write", "dual_write", None),
+    ("selective", "selective", 50.0),
+    ("cutover", "cutover", None),
+    ("rollback", "polling", None),
+)
+IDLE_SETTLE = 1.0   # the relay polls hot for a moment after its last row before it waits for a notification
+IDLE_SECONDS = 2.0
+
+
+def _split(specs: list[WorkflowSpec], parts: int) -> list[list[WorkflowSpec]]:
+    size, extra = divmod(len(specs), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (1 if i < extra else 0)
+        out.append(specs[at:at + n])
+        at += n
+    return out
+
+
+def demo_gates(tasks_per_stage: int) -> GateSettings:
+    """Gate thresholds sized to the demo's handful of tasks (production defaults: 1,000 tasks, 0.1%)."""
+    return GateSettings(min_tasks=max(5, tasks_per_stage // 4), miss_budget=0.5, tolerance=5.0)
+
+
+def run_demo(settings: Settings, options: DemoOptions, progress: Progress | None = None,
+             stage_started: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole migration on one workload: polling, dual_write (with the reconciler's report), selective 50%,
+    cutover and a rollback, a fresh slice of the workload in each, every component in this process."""
+    from bridge.flags import FlagStore
+    from bridge.promotion import rollback
+    from bridge.report import build_report
+    from bridge.runall import Stack, StackOptions
+
     started = time.perf_counter()
     prefix = f"demo-{uuid.uuid4().hex[:8]}"
     specs = (load_workload_file(options.workload_file, prefix) if options.workload_file
@@ -77,49 +113,148 @@ def run_demo(settings: Settings, options: DemoOptions, progress: Progress | None
         from bridge.workload import validate_dag
 
         validate_dag(spec.instance_id, {t.key: t.depends_on for t in spec.tasks})
+    stages = _split(specs, len(STAGES))
+    types = sorted({spec.workflow_type for spec in specs})
 
     observer = create_engine(settings.database_url)
-    poller_engine = create_engine(settings.database_url)
-    worker_engine = create_engine(settings.database_url)
-    counter = StatementCounter()
     try:
         check_connection(observer)
         install.init(observer, demo_schema=is_default_mapping(settings.mapping), mapping=settings.mapping,
                      capture=settings.capture)
         tables = reflect_tables(observer, settings.mapping)
-        with observer.begin() as conn:
-            total = seed(conn, tables, specs)
-        instance_ids = [s.instance_id for s in specs]
-
-        counter.attach(poller_engine)
-        registry = CollectorRegistry()
-        poller = LegacyPoller(poller_engine, tables, batch_size=settings.poller.batch_size, registry=registry)
-        workers = WorkerPool(worker_engine, tables, settings.workers, registry=registry, seed=options.seed)
-        runner = PollerRunner(poller, options.poll_interval)
-        signaller = _Signaller(observer, tables, instance_ids)
-        workers.start()
-        runner.start()
+        store = FlagStore(observer, default_grace=settings.router.grace)
+        rollback(store, types, reason="demo: start from polling", actor="demo")
+        stack = Stack(settings, StackOptions(poll_interval=options.poll_interval, demo_workers=True,
+                                             count_statements=True, worker_seed=options.seed))
+        stack.start()
+        assert stack.router is not None
+        signaller = _Signaller(observer, tables, [s.instance_id for s in specs])
         signaller.start()
+        phases: list[dict[str, Any]] = []
         deadline = time.monotonic() + options.timeout
+        timed_out = False
         try:
-            while True:
-                settled = _settled(observer, tables, instance_ids)
-                if progress:
-                    progress(settled, total)
-                if settled >= total or time.monotonic() > deadline:
+            for (label, phase, percent), stage in zip(STAGES, stages, strict=True):
+                if stage_started:
+                    stage_started(label)
+                stage_tasks = sum(len(s.tasks) for s in stage)
+                gate = None
+                if label == "rollback":
+                    rollback(store, types, reason="demo: rehearse the way back", actor="demo")
+                elif phase != "polling":
+                    gate = _promote(observer, tables, store, settings, types, phase, percent,
+                                    demo_gates(stage_tasks))
+                stack.router.refresh()  # every component of this process sees the new phase at once
+                before = stack.statements()
+                stage_start = time.perf_counter()
+                ids = [s.instance_id for s in stage]
+                with observer.begin() as conn:
+                    total = seed(conn, tables, stage)
+                while True:
+                    settled = _settled(observer, tables, ids)
+                    if progress:
+                        progress(settled, total)
+                    if settled >= total:
+                        break
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        break
+                    time.sleep(0.1)
+                busy = time.perf_counter() - stage_start
+                after_work = stack.statements()
+                time.sleep(IDLE_SETTLE)
+                idle_start = stack.statements()
+                time.sleep(IDLE_SECONDS)  # nothing to do: what does each path still ask the database?
+                after_idle = stack.statements()
+                with observer.connect() as conn:
+                    verdict = verify(conn, tables, ids)
+                stats = _stage_stats(label, phase, percent, stage, verdict, before, after_work, idle_start, after_idle,
+                                     busy)
+                stats["gate"] = gate
+                if label == "dual_write":
+                    stats["reconcile"] = _reconcile(observer, tables, types, demo_gates(stage_tasks), build_report)
+                phases.append(stats)
+                if timed_out:
                     break
-                time.sleep(0.2)
         finally:
             signaller.stop()
-            runner.stop()
-            workers.stop()
+            stack.stop()
+        all_ids = [s.instance_id for s in specs]
         with observer.connect() as conn:
-            verdict = verify(conn, tables, instance_ids)
-        return _summary(settings, options, verdict, poller, counter, time.perf_counter() - started,
-                        timed_out=time.monotonic() > deadline)
+            verdict = verify(conn, tables, all_ids)
+        summary = _summary(settings, options, verdict, stack.poller, stack.counters.get("poller"),
+                           time.perf_counter() - started, timed_out=timed_out)
+        summary["phases"] = phases
+        summary["workflow_types"] = types
+        return summary
     finally:
-        for engine in (observer, poller_engine, worker_engine):
-            engine.dispose()
+        observer.dispose()
+
+
+def _promote(engine: sa.Engine, tables: TaskTable, store: Any, settings: Settings, types: list[str], phase: str,
+             percent: float | None, gates: GateSettings) -> dict[str, Any]:
+    """Promote every type one step through its gate; a refusal is recorded and then forced, audited as such."""
+    from bridge.exceptions import GateRefused
+    from bridge.promotion import set_phase
+
+    results: dict[str, Any] = {}
+    for name in types:
+        try:
+            outcome = set_phase(engine, tables, store, gates, name, phase, percent=percent, actor="demo",
+                                reason=f"demo: {phase}")
+            results[name] = {"passed": True, "forced": False,
+                             "criteria": [c.to_json() for c in (outcome.gate.criteria if outcome.gate else ())]}
+        except GateRefused as refused:
+            outcome = set_phase(engine, tables, store, gates, name, phase, percent=percent, actor="demo",
+                                reason=f"demo: {phase}, gate refused ({refused}); forced to go on", force=True)
+            results[name] = {"passed": False, "forced": True,
+                             "criteria": [c.to_json() for c in (outcome.gate.criteria if outcome.gate else ())]}
+    return results
+
+
+def _reconcile(engine: sa.Engine, tables: TaskTable, types: list[str], gates: GateSettings,
+               build_report: Callable[..., Any]) -> dict[str, Any]:
+    from datetime import timedelta
+
+    from bridge.promotion import db_clock
+
+    now = db_clock(engine)
+    report = build_report(engine, tables, now - timedelta(minutes=10), now + timedelta(seconds=1), types=types,
+                          settings=gates)
+    out = report.to_json()
+    return {"verdict": out["verdict"], "types": out["types"], "mismatches": out["mismatches"][:20]}
+
+
+def _group(statements: dict[str, int], path: str) -> int:
+    names = ("poller",) if path == "poller" else ("relay", "scheduler", "router")
+    return sum(statements.get(n, 0) for n in names)
+
+
+def _stage_stats(label: str, phase: str, percent: float | None, stage: list[WorkflowSpec], verdict: Verdict,
+                 before: dict[str, int], after_work: dict[str, int], idle_start: dict[str, int],
+                 after_idle: dict[str, int], busy: float) -> dict[str, Any]:
+    paths = {}
+    for path, values in sorted(verdict.latencies_ms.items()):
+        paths[path] = {"dispatches": len(values), "p50_ms": _round(percentile(values, 50)),
+                       "p99_ms": _round(percentile(values, 99)), "max_ms": _round(max(values) if values else None)}
+    per_dispatch: dict[str, float | None] = {}
+    idle: dict[str, float] = {}
+    for path in ("poller", "events"):
+        work = _group(after_work, path) - _group(before, path)
+        n = paths.get(path, {}).get("dispatches", 0)
+        if path == "events" and phase == "dual_write":
+            n = verdict.tasks  # the event path decided (shadow) for each task instead of dispatching
+        per_dispatch[path] = round(work / n, 2) if n else None
+        idle[path] = round((_group(after_idle, path) - _group(idle_start, path)) / IDLE_SECONDS, 1)
+    by_component = {name: round((after_idle.get(name, 0) - idle_start.get(name, 0)) / IDLE_SECONDS, 1)
+                     for name in sorted(after_idle) if name != "workers"}
+    return {
+        "phase": label, "flag": phase, "percent": percent, "instances": len(stage), "tasks": verdict.tasks,
+        "idle_statements_per_s_by_component": by_component,
+        "paths": paths, "statements_per_dispatch": per_dispatch, "idle_statements_per_s": idle,
+        "misses": paths.get("fallback", {}).get("dispatches", 0), "lost": verdict.lost,
+        "double_dispatched": verdict.double_dispatched, "early": verdict.early, "seconds": round(busy, 2),
+    }
 
 
 class _Signaller:
@@ -172,7 +307,7 @@ def _settled(engine: sa.Engine, tt: TaskTable, instance_ids: list[str]) -> int:
 
 
 def _summary(settings: Settings, options: DemoOptions, verdict: Verdict, poller: LegacyPoller,
-             counter: StatementCounter, elapsed: float, *, timed_out: bool) -> dict[str, Any]:
+             counter: StatementCounter | None, elapsed: float, *, timed_out: bool) -> dict[str, Any]:
     m = poller.metrics
     scans = int(m.value("pollbridge_poller_scans_total"))
     empty = int(m.value("pollbridge_poller_empty_scans_total"))
@@ -188,7 +323,7 @@ def _summary(settings: Settings, options: DemoOptions, verdict: Verdict, poller:
         }
     return {
         "database": mask_url(settings.database_url),
-        "bus": settings.bus_url,
+        "bus": mask_url(settings.bus_url),
         "instances": options.instances if not options.workload_file else None,
         "tasks": verdict.tasks,
         "dispatches": verdict.dispatches,
@@ -206,8 +341,9 @@ def _summary(settings: Settings, options: DemoOptions, verdict: Verdict, poller:
             "empty_scans": empty,
             "empty_scan_ratio": round(empty / scans, 3) if scans else None,
             "rows_examined": int(m.value("pollbridge_poller_rows_examined_total")),
-            "statements": counter.count,
-            "statements_per_dispatch": round(counter.count / poller_dispatches, 2) if poller_dispatches else None,
+            "statements": counter.count if counter else None,
+            "statements_per_dispatch": round(counter.count / poller_dispatches, 2)
+            if counter and poller_dispatches else None,
         },
         "problems": list(verdict.problems[:20]),
         "elapsed_s": round(elapsed, 2),

@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 ChangeListener = Callable[[dict[str, Flag], dict[str, Flag]], None]
 
 
+def event_share(flag: Flag | None) -> float:
+    """The percentage of a type's instances the event path dispatches for."""
+    if flag is None or flag.phase in ("polling", "dual_write"):
+        return 0.0
+    return 100.0 if flag.phase == "cutover" or flag.percent is None else flag.percent
+
+
 class FlagRouter:
     """Implements :class:`bridge.routing.EventRouter` from the stored flags."""
 
@@ -120,6 +127,17 @@ class FlagRouter:
         """Call ``listener(old, new)`` after a refresh that saw different flags."""
         with self._lock:
             self._listeners.append(listener)
+
+    def on_event_share_growth(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the event path becomes responsible for more instances (a type entering
+        ``selective`` or ``cutover``, or a larger percentage): tasks that were ready already produce no new
+        event, so the scheduler should catch up from the database rather than leave them to the fallback."""
+
+        def listener(old: dict[str, Flag], new: dict[str, Flag]) -> None:
+            if any(event_share(flag) > event_share(old.get(name)) for name, flag in new.items()):
+                callback()
+
+        self.on_change(listener)
 
     # --- the refresh thread --------------------------------------------------------------------------
     def start(self) -> FlagRouter:

@@ -18,6 +18,9 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from legacy_poller.poller import LegacyPoller
 
 log = logging.getLogger(__name__)
+# A scan that outlasts the interval makes APScheduler skip the next run with a WARNING: that is the
+# coalescing this runner asks for, not a problem worth a line every interval.
+logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
 
 
 class PollerRunner:

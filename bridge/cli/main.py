@@ -150,7 +150,9 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_interval: float, timeout: float,
          workload_file: str | None, as_json: bool) -> None:
-    """Seed a workload and run it on the legacy poller until every task is done; check the invariants."""
+    """Walk a workload through the whole migration (polling, dual_write with the reconciler's report,
+    selective 50%, cutover, rollback), every component in this process; compare the two paths and check
+    the invariants (exit 1 if any task was lost, dispatched twice or early)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from bridge.demo import DemoOptions, passed, run_demo
@@ -165,7 +167,10 @@ def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_inter
         def report(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        summary = run_demo(settings, options, progress=report)
+        def stage(label: str) -> None:
+            bar.update(task, description=f"{label}: tasks settled", completed=0, total=None)
+
+        summary = run_demo(settings, options, progress=report, stage_started=stage)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -174,22 +179,58 @@ def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_inter
 
 
 def _print_demo(s: dict[str, Any]) -> None:
-    console = Console()
-    table = Table(title=f"pollbridge demo on {s['database']}")
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    phases = s.get("phases", [])
+
+    def lat(stage: dict[str, Any], path: str) -> str:
+        p = stage["paths"].get(path)
+        return f"{p['p50_ms']} / {p['p99_ms']} ms" if p else "-"
+
+    table = Table(title=f"pollbridge demo: the migration on {s['database']} ({', '.join(s.get('workflow_types', []))})")
     table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key in ("tasks", "dispatches", "completed", "lost", "double_dispatched", "early"):
-        table.add_row(key, str(s[key]))
-    for path, p in s["paths"].items():
-        table.add_row(f"{path}: ready→dispatch p50 / p99 / max",
-                      f"{p['p50_ms']} / {p['p99_ms']} / {p['max_ms']} ms")
-    pol = s["poller"]
-    table.add_row("poll interval", f"{pol['interval_s']} s")
-    table.add_row("scans (empty ratio)", f"{pol['scans']} ({pol['empty_scan_ratio']})")
-    table.add_row("rows examined", str(pol["rows_examined"]))
-    table.add_row("statements per dispatch", str(pol["statements_per_dispatch"]))
-    table.add_row("elapsed", f"{s['elapsed_s']} s")
+    for stage in phases:
+        table.add_column(stage["phase"] + (f" {stage['percent']:g}%" if stage.get("percent") else ""), justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("tasks", lambda st: str(st["tasks"])),
+        ("poller: ready→dispatch p50 / p99", lambda st: lat(st, "poller")),
+        ("events: ready→dispatch p50 / p99", lambda st: lat(st, "events")),
+        ("fallback dispatches (misses)", lambda st: str(st["misses"])),
+        ("statements per dispatch: poller", lambda st: str(st["statements_per_dispatch"]["poller"] or "-")),
+        ("statements per dispatch: events", lambda st: str(st["statements_per_dispatch"]["events"] or "-")),
+        ("idle statements/s: poller", lambda st: str(st["idle_statements_per_s"]["poller"])),
+        ("idle statements/s: events", lambda st: str(st["idle_statements_per_s"]["events"])),
+        ("lost / double / early", lambda st: f"{st['lost']} / {st['double_dispatched']} / {st['early']}"),
+        ("gate", lambda st: "-" if not st.get("gate") else
+         ("passed" if all(g["passed"] for g in st["gate"].values()) else "refused, forced")),
+    ]
+    for name, cell in rows:
+        table.add_row(name, *(cell(stage) for stage in phases))
     console.print(table)
+    polling = next((st for st in phases if st["phase"] == "polling"), None)
+    cutover = next((st for st in phases if st["phase"] == "cutover"), None)
+    if polling and cutover:
+        side = Table(title="the two paths side by side (polling stage vs cutover stage)")
+        side.add_column("measure")
+        side.add_column("legacy poller", justify="right")
+        side.add_column("event path", justify="right")
+        side.add_row("ready→dispatch p50 / p99", lat(polling, "poller"), lat(cutover, "events"))
+        side.add_row("statements per dispatch", str(polling["statements_per_dispatch"]["poller"]),
+                     str(cutover["statements_per_dispatch"]["events"]))
+        side.add_row("idle statements per second", str(polling["idle_statements_per_s"]["poller"]),
+                     str(cutover["idle_statements_per_s"]["events"]))
+        side.add_row("misses", "-", str(cutover["misses"]))
+        side.add_row("lost / double / early",
+                     f"{polling['lost']} / {polling['double_dispatched']} / {polling['early']}",
+                     f"{cutover['lost']} / {cutover['double_dispatched']} / {cutover['early']}")
+        console.print(side)
+    for stage in phases:
+        rec = stage.get("reconcile")
+        if rec:
+            counts = ", ".join(f"{t['workflow_type']}: {t['matched']} matched, {t['missing']} missing, "
+                               f"{t['early']} early" for t in rec["types"])
+            console.print(f"reconciler in dual_write: verdict {rec['verdict']} ({counts})")
+    console.print(f"overall: {s['tasks']} tasks, {s['dispatches']} dispatches, lost {s['lost']}, "
+                  f"double {s['double_dispatched']}, early {s['early']}, {s['elapsed_s']} s")
     for problem in s["problems"]:
         console.print(f"[red]problem:[/red] {problem}")
 
@@ -353,7 +394,7 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
         sched = EventScheduler(engine, tables, bus, settings.scheduler, router,
                                visibility_timeout=settings.bus.visibility_timeout, registry=registry)
         if flag_router is not None:
-            flag_router.on_change(lambda old, new: _catch_up_on_promotion(sched, old, new))
+            flag_router.on_event_share_growth(sched.request_catch_up)
         click.echo(f"scheduler {sched.holder} on {mask_url(settings.database_url)} <- {mask_url(settings.bus_url)}, "
                    f"{'phase ' + fixed if fixed else 'following the flags'}", err=True)
         sched.run(stop)
@@ -366,23 +407,6 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
         if bus is not None:
             bus.close()
         engine.dispose()
-
-
-def _catch_up_on_promotion(sched: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
-    """When the event path becomes responsible for more instances (a type entering selective or cutover,
-    or a larger percentage), tasks that were already ready produce no new event: catch up from the
-    database so none waits for the safety sweep."""
-    from bridge.routing import Flag
-
-    def share(flag: Flag | None) -> float:
-        if flag is None or flag.phase in ("polling", "dual_write"):
-            return 0.0
-        return 100.0 if flag.phase == "cutover" or flag.percent is None else flag.percent
-
-    if any(share(flag) > share(old.get(name)) for name, flag in new.items()):
-        request = getattr(sched, "request_catch_up", None)
-        if request is not None:
-            request()
 
 
 @cli.command("signal")
@@ -552,6 +576,8 @@ def _register() -> None:
     cli.add_command(rollback_cmd)
     from bridge.cli.reconcile import reconcile
     cli.add_command(reconcile)
+    from bridge.cli.runall import run_all
+    cli.add_command(run_all)
     from bridge.cli.guardian import guardian
     cli.add_command(guardian)
     from bridge.cli.observe import explain, metrics, status
