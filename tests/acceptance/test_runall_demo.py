@@ -1,0 +1,111 @@
+"""``pollbridge demo`` walks the whole migration; ``pollbridge run-all`` runs every component in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from support import Run, wait_for
+
+from bridge.db import create_engine
+from bridge.mapping import TaskTableMapping
+from bridge.tasktable import reflect_tables
+from bridge.workload import TaskSpec, WorkflowSpec, seed
+
+PHASES = ["polling", "dual_write", "selective", "cutover", "rollback"]
+
+
+def test_demo_walks_every_phase_and_compares_the_paths(pollbridge: Run) -> None:
+    result = pollbridge("demo", "--json", "--instances", "15", "--poll-interval", "0.3", timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    # The foundation's fields are kept ...
+    for key in ("tasks", "dispatches", "lost", "double_dispatched", "early", "paths", "poller"):
+        assert key in summary
+    assert summary["dispatches"] == summary["tasks"] > 0
+    assert (summary["lost"], summary["double_dispatched"], summary["early"]) == (0, 0, 0)
+    # ... and one object per phase, in the order of the migration.
+    phases = summary["phases"]
+    assert [p["phase"] for p in phases] == PHASES
+    by_phase = {p["phase"]: p for p in phases}
+    assert set(by_phase["polling"]["paths"]) == {"poller"}  # the event path is off
+    assert set(by_phase["dual_write"]["paths"]) == {"poller"}  # shadow only: it never dispatches
+    assert "events" in by_phase["cutover"]["paths"] and "poller" not in by_phase["cutover"]["paths"]
+    assert set(by_phase["rollback"]["paths"]) == {"poller"}  # the way back works
+    assert by_phase["selective"]["percent"] == 50.0
+    assert by_phase["dual_write"]["reconcile"]["types"], "the reconciler's report of dual_write is missing"
+    for p in phases:
+        assert (p["lost"], p["double_dispatched"], p["early"]) == (0, 0, 0), p
+        assert set(p["statements_per_dispatch"]) == {"poller", "events"}
+        assert set(p["idle_statements_per_s"]) == {"poller", "events"}
+    assert by_phase["dual_write"]["gate"] and by_phase["cutover"]["gate"]
+
+
+def test_demo_table_output(pollbridge: Run) -> None:
+    result = pollbridge("demo", "--instances", "10", "--poll-interval", "0.3", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "the two paths side by side" in result.stdout
+    assert "reconciler in dual_write" in result.stdout
+
+
+def test_run_all_dispatches_both_paths_and_stops_on_sigterm(sqlite_url: str, tmp_path: Path) -> None:
+    engine = create_engine(sqlite_url)
+    tables = reflect_tables(engine, TaskTableMapping())
+    chain = (TaskSpec("a"), TaskSpec("b", ("a",)))
+    with engine.begin() as conn:
+        seed(conn, tables, [WorkflowSpec(f"r{i}", "orders" if i % 2 else "reports", chain) for i in range(10)])
+    exe = shutil.which("pollbridge")
+    assert exe is not None
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
+           "POLLBRIDGE_DATABASE_URL": sqlite_url}
+    flags = subprocess.run([exe, "flags", "set", "orders", "cutover", "--force", "--reason", "test"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert flags.returncode == 0, flags.stderr
+    log = (tmp_path / "run-all.log").open("w")
+    proc = subprocess.Popen([exe, "run-all", "--demo-workers", "--poll-interval", "0.3"], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        t = tables.tasks
+
+        def done() -> bool:
+            with engine.connect() as conn:
+                return conn.execute(sa.select(sa.func.count()).where(t.c.status != "completed")).scalar_one() == 0
+
+        wait_for(done, timeout=60, what="every task completed under run-all")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    with engine.connect() as conn:
+        paths = dict(conn.execute(sa.text(
+            "SELECT workflow_type, group_concat(DISTINCT path) FROM pollbridge_dispatch_log GROUP BY 1")).all())
+    assert paths == {"orders": "events", "reports": "poller"}
+    assert "run-all stopped" in (tmp_path / "run-all.log").read_text()
+    engine.dispose()
+
+
+def test_run_all_help_shows_env_vars(pollbridge: Run) -> None:
+    result = pollbridge("run-all", "--help")
+    for var in ("POLLBRIDGE_DEMO_WORKERS", "POLLBRIDGE_POLL_INTERVAL", "POLLBRIDGE_METRICS_PORT"):
+        assert var in result.stdout
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_demo_on_postgresql_and_redis(pollbridge: Run, pg_empty_url: str, redis_server: str,
+                                      redis_namespace: str, tmp_path: Path) -> None:
+    (tmp_path / "pollbridge.toml").write_text(f'[bus]\nnamespace = "{redis_namespace}"\n')
+    result = pollbridge("demo", "--json", "--instances", "10", "--poll-interval", "0.3", timeout=300,
+                        env={"POLLBRIDGE_DATABASE_URL": pg_empty_url, "POLLBRIDGE_BUS_URL": redis_server})
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert [p["phase"] for p in summary["phases"]] == PHASES
+    assert (summary["lost"], summary["double_dispatched"], summary["early"]) == (0, 0, 0)
