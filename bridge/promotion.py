@@ -177,7 +177,12 @@ def set_phase(engine: Engine, tt: TaskTable | None, store: FlagStore, settings: 
     if grace_seconds is not None and (not math.isfinite(grace_seconds) or grace_seconds <= 0):
         raise FlagError(f"grace must be a positive number of seconds, got {grace_seconds!r}")
     old = store.get(workflow_type)
-    if (old.phase, old.percent) == (target, percent) and not thresholds and grace_seconds is None:
+    if grace_seconds is not None and grace_seconds == old.grace_seconds:
+        grace_seconds = None
+    overrides = validate_thresholds(thresholds or {})
+    if {k: v for k, v in overrides.items() if old.thresholds.get(k) != v} == {}:
+        overrides = {}
+    if (old.phase, old.percent) == (target, percent) and not overrides and grace_seconds is None:
         return Outcome(None, None, old)
     if RANK[target] > RANK[old.phase] + 1 and not force:
         step = PHASES[RANK[old.phase] + 1]
@@ -194,9 +199,17 @@ def set_phase(engine: Engine, tt: TaskTable | None, store: FlagStore, settings: 
                                   "(gather more evidence, or --force with a reason)")
             refused.gate = gate
             raise refused
+    record: dict[str, Any] = gate.to_json() if gate is not None else {}
+    if overrides or grace_seconds is not None:
+        # Loosening a threshold weakens the next gate: the audit trail says what changed.
+        record["settings"] = {
+            **({"thresholds": {"old": old.thresholds, "new": {**old.thresholds, **overrides}}} if overrides else {}),
+            **({"grace_seconds": {"old": old.grace_seconds, "new": grace_seconds}}
+               if grace_seconds is not None else {}),
+        }
     change = store.change(workflow_type, target, actor=actor, reason=reason, percent=percent,
-                          grace_seconds=grace_seconds, thresholds=thresholds, forced=force,
-                          gate=gate.to_json() if gate is not None else None, expected=old)
+                          grace_seconds=grace_seconds, thresholds=overrides, forced=force,
+                          gate=record or None, expected=old)
     return Outcome(change, gate, old)
 
 

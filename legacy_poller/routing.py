@@ -45,8 +45,9 @@ def in_percentage(tt: TaskTable, t: sa.FromClause, flag: Flag) -> sa.ColumnEleme
 
 
 def canary(tt: TaskTable, t: sa.FromClause, type_expr: sa.ColumnElement[Any], flag: Flag) -> sa.ColumnElement[bool]:
-    """Row ``t`` belongs to the event path's share of a ``selective`` type."""
-    return sa.and_(type_expr == flag.workflow_type, in_percentage(tt, t, flag))
+    """Row ``t`` belongs to the event path's share of a ``selective`` type. Never NULL: a task without a
+    type (its instance row is missing) is nobody's canary, so ``NOT canary(...)`` keeps it in the scan."""
+    return sa.and_(type_expr.is_not(None), type_expr == flag.workflow_type, in_percentage(tt, t, flag))
 
 
 def scan_filter(tt: TaskTable, t: sa.FromClause, type_expr: sa.ColumnElement[Any],
@@ -80,7 +81,8 @@ def owned_by_events(tt: TaskTable, t: sa.FromClause, flags: Mapping[str, Flag]) 
     clauses: list[sa.ColumnElement[bool]] = []
     cutover = sorted(name for name, f in flags.items() if f.phase == "cutover")
     if cutover:
-        clauses.append(type_expr.in_(cutover))
+        # Never NULL: NOT (NULL IN (...)) would leave a typeless failed task re-pended by nobody.
+        clauses.append(sa.and_(type_expr.is_not(None), type_expr.in_(cutover)))
     for flag in (f for f in flags.values() if f.phase == "selective"):
         clauses.append(canary(tt, t, type_expr, flag))
     return sa.or_(*clauses) if clauses else None

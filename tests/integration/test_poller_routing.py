@@ -296,9 +296,6 @@ def test_typeless_task_is_dispatched_while_a_type_is_in_cutover(engine: Engine, 
     assert _paths(engine) == {"orphan": "poller"}
 
 
-@pytest.mark.xfail(strict=True, reason="legacy_poller/routing.py owned_by_events: NOT(NULL IN (...)) is NULL, so a "
-                                       "failed task with a NULL workflow type is never re-pended while any type is "
-                                       "in cutover or selective")
 def test_typeless_failed_task_is_repended_while_a_type_is_in_cutover(engine: Engine, tables: TaskTable) -> None:
     """The event path routes a NULL type as polling, so only the poller can retry such a task."""
     _orphan(engine, tables, "orphan", status="failed")
@@ -309,9 +306,6 @@ def test_typeless_failed_task_is_repended_while_a_type_is_in_cutover(engine: Eng
     assert poller.scan_once().repended == 1
 
 
-@pytest.mark.xfail(strict=True, reason="legacy_poller/routing.py scan_filter/canary: `type = 'orders'` is NULL for "
-                                       "a NULL type, NOT(NULL AND within_grace) is NULL, so a typeless task whose "
-                                       "instance hashes inside a selective percentage waits out that type's grace")
 def test_typeless_task_is_not_held_back_by_another_types_canary(engine: Engine, tables: TaskTable) -> None:
     """A typeless task is the poller's (its event route is off): no other type's grace may delay it."""
     inside, _ = _split("orders", 50.0, 1, "orphan")
