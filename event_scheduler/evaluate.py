@@ -24,12 +24,13 @@ none, every write being a compare-and-set.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -58,6 +59,20 @@ DUE_RECHECK = 0.02
 
 #: Instances whose dispatch count the depth guard keeps in memory (least recently used dropped).
 DEPTH_CACHE = 100_000
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The part of an instance an event can have changed: the tasks ``keys`` themselves (a task inserted,
+    re-pended, failed, started, its due time or signal changed) and the tasks depending on one of
+    ``dependents_of`` (a task completed). Everything else in the instance is as it was, and a change to
+    it brings an event of its own; timers, catch-up and other events evaluate the whole instance."""
+
+    keys: frozenset[str]
+    dependents_of: frozenset[str] = frozenset()
+
+    def __or__(self, other: Scope) -> Scope:
+        return Scope(self.keys | other.keys, self.dependents_of | other.dependents_of)
 
 
 @dataclass
@@ -94,27 +109,37 @@ class TokenBucket:
         return (1 - self.tokens) / self.rate
 
 
-def _jit_off(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
-    """Pool checkout hook: PostgreSQL's JIT off, once per connection.
+#: Session settings for the scheduler's PostgreSQL connections (see :func:`_session_settings`).
+SESSION_SETTINGS = "SET jit = off; SET plan_cache_mode = force_custom_plan"
 
-    The readiness SQL calls ``json_array_elements_text`` per task, which the planner costs at 100 rows
-    a call, so a batch of a hundred instances is estimated above ``jit_above_cost`` and JIT-compiled:
-    measured 2.4 s of compilation for a 5 ms query. Set in autocommit, so no rollback undoes it."""
-    if record.info.get("pollbridge_jit_off"):
+
+def _session_settings(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    """Pool checkout hook, once per connection: no JIT, and a plan for each execution's parameters.
+
+    * The readiness SQL calls ``json_array_elements_text`` per task, which the planner costs at 100 rows
+      a call, so a batch of a hundred instances is estimated above ``jit_above_cost`` and JIT-compiled:
+      measured 2.4 s of compilation for a 5 ms query.
+    * The driver prepares a statement run often, and PostgreSQL then switches to a generic plan, costed
+      for an ``ANY(array)`` of ten elements: measured quadratic in the batch (300 instances: 0.6-3 s,
+      against 55-95 ms with a plan for the actual array). Planning each execution costs about a
+      millisecond.
+
+    Set in autocommit, so no rollback undoes it."""
+    if record.info.get("pollbridge_session_settings"):
         return
     autocommit_was = dbapi_conn.autocommit
     dbapi_conn.autocommit = True
     try:
-        dbapi_conn.execute("SET jit = off")
+        dbapi_conn.execute(SESSION_SETTINGS)
     finally:
         dbapi_conn.autocommit = autocommit_was
-    record.info["pollbridge_jit_off"] = True
+    record.info["pollbridge_session_settings"] = True
 
 
-def disable_jit(engine: Engine) -> None:
-    """Turn PostgreSQL's JIT off on every connection ``engine`` hands out (idempotent; no-op elsewhere)."""
-    if engine.dialect.name == "postgresql" and not sa.event.contains(engine, "checkout", _jit_off):
-        sa.event.listen(engine, "checkout", _jit_off)
+def tune_sessions(engine: Engine) -> None:
+    """Apply :data:`SESSION_SETTINGS` to every connection ``engine`` hands out (idempotent; PostgreSQL only)."""
+    if engine.dialect.name == "postgresql" and not sa.event.contains(engine, "checkout", _session_settings):
+        sa.event.listen(engine, "checkout", _session_settings)
 
 
 class Evaluator:
@@ -125,7 +150,7 @@ class Evaluator:
         self.router = router
         self.settings = settings
         self.metrics = metrics
-        disable_jit(engine)
+        tune_sessions(engine)
         self._single = autocommit(engine)
         self._pg = engine.dialect.name == "postgresql"
         self._lock = threading.Lock()  # guards _buckets and _depths
@@ -144,12 +169,23 @@ class Evaluator:
                                "signal_received_at", "updated_at", "attempts", "max_attempts") if tt.has(c)]
         if tt.instances is None and tt.has("workflow_type"):
             logical.append("workflow_type")
+        # pb_in_scope: the live tasks this evaluation is about (see Scope); on SQLite every live task.
+        is_live = tt.col("status").in_(live)
+        in_scope: sa.ColumnElement[Any] = sa.case((is_live, 1), else_=0)
+        base_from: sa.FromClause = t
+        if self._pg:
+            scope = sa.select(sa.cast(sa.bindparam("scope", type_=sa.Text), postgresql.JSONB).label("j")) \
+                .cte("pb_scope")
+            base_from = t.join(scope, sa.true())  # pb_scope is one row
+            in_scope = sa.case((is_live, sa.case((self._scope_hit(scope.c.j), 1), else_=0)), else_=0)
         base = (
             sa.select(*(tt.col(c) for c in logical),
                       sa.func.row_number().over(partition_by=tt.col("instance_id"), order_by=tt.col("id"))
                       .label("pb_rn"),
-                      sa.func.max(sa.case((tt.col("status").in_(live), 1), else_=0))
-                      .over(partition_by=tt.col("instance_id")).label("pb_any_live"))
+                      sa.func.max(sa.case((is_live, 1), else_=0))
+                      .over(partition_by=tt.col("instance_id")).label("pb_any_live"),
+                      in_scope.label("pb_in_scope"))
+            .select_from(base_from)
             .where(self._in_ids(tt.col("instance_id")))
             .offset(0)
             .subquery("pb_base")
@@ -169,14 +205,16 @@ class Evaluator:
         inner = (
             sa.select(*(tt.col(c, base) for c in logical if c != "workflow_type"),
                       workflow_type.label("pb_workflow_type"),
-                      sa.case((ready_predicate(tt, base), 1), else_=0).label("pb_ready"),
+                      # CASE evaluates in order: readiness only for the rows in scope.
+                      sa.case((base.c.pb_in_scope == 0, 0), (ready_predicate(tt, base), 1), else_=0)
+                      .label("pb_ready"),
                       # "Not due yet" by the database clock, the one readiness uses: the scheduler host's
                       # clock may disagree, and deciding with it could leave a task with neither a
                       # dispatch nor a timer.
                       (sa.case((tt.col("due_at", base) > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
                        else sa.literal(0)).label("pb_due_future"),
-                      sa.case((tt.col("status", base).in_(live), 1), else_=0).label("pb_live"))
-            .where(sa.or_(tt.col("status", base).in_(live), sa.and_(base.c.pb_rn == 1, base.c.pb_any_live == 0)))
+                      base.c.pb_in_scope.label("pb_live"), base.c.pb_any_live.label("pb_any_live"))
+            .where(sa.or_(base.c.pb_in_scope == 1, base.c.pb_rn == 1))
             .subquery("pb_eval")
         )
         optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at")
@@ -187,6 +225,7 @@ class Evaluator:
                 tt.col("task_key", inner).label("task_key"), tt.col("status", inner).label("status"),
                 inner.c.pb_workflow_type.label("workflow_type"), *optional, inner.c.pb_ready.label("ready"),
                 inner.c.pb_due_future.label("due_future"), inner.c.pb_live.label("live"),
+                inner.c.pb_any_live.label("any_live"),
                 sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
             )
             .order_by(tt.col("id", inner))
@@ -198,6 +237,31 @@ class Evaluator:
         self._depth = (sa.select(dispatch_log.c.instance_id, sa.func.count())
                        .where(self._in_ids(dispatch_log.c.instance_id))
                        .group_by(dispatch_log.c.instance_id))
+
+    def _scope_hit(self, scope: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+        """Whether the task row is in the evaluation's scope, given the scope document (JSONB, per instance
+        id: ``{"w": 1}`` for the whole instance, else ``{"k": [task keys], "d": [task keys]}``: those tasks,
+        and the tasks depending on one of the ``d`` keys). Binary searches in the document, per row."""
+        tt = self.tables
+        entry = scope.op("->")(sa.cast(tt.col("instance_id"), sa.Text))
+        key = sa.cast(tt.col("task_key"), sa.Text)
+        if tt.mapping.dependency_mode == "json":
+            deps = sa.func.array(sa.select(sa.func.json_array_elements_text(sa.cast(tt.col("depends_on"), sa.JSON)))
+                                 .correlate(tt.tasks).scalar_subquery())
+        else:
+            assert tt.edges is not None and tt.mapping.edges is not None
+            e = tt.edges.alias("pb_scope_edge")
+            dep = tt.tasks.alias("pb_scope_dep")
+            deps = sa.func.array(
+                sa.select(sa.cast(tt.col("task_key", dep), sa.Text))
+                .select_from(e.join(dep, tt.col("id", dep) == e.c[tt.mapping.edges.depends_on_id]))
+                .where(e.c[tt.mapping.edges.task_id] == tt.col("id"))
+                .correlate_except(e, dep).scalar_subquery())
+        return sa.or_(
+            entry.op("->>")(sa.literal("w", sa.Text)) == "1",
+            entry.op("->")(sa.literal("k", sa.Text)).op("?", return_type=sa.Boolean)(key),
+            entry.op("->")(sa.literal("d", sa.Text)).op("?|", return_type=sa.Boolean)(deps),
+        )
 
     def _in_ids(self, column: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
         """``column`` is one of the ``ids`` parameter: ``= ANY(array)`` on PostgreSQL (one SQL text whatever
@@ -211,21 +275,32 @@ class Evaluator:
         return self._single.connect()
 
     def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None,
-                 conn: Connection | None = None) -> Evaluation:
-        """Evaluate ``instance_ids`` on ``conn`` (from :meth:`connect`), or on a connection of its own."""
+                 conn: Connection | None = None, scopes: Mapping[str, Scope | None] | None = None) -> Evaluation:
+        """Evaluate ``instance_ids`` on ``conn`` (from :meth:`connect`), or on a connection of its own.
+
+        ``scopes`` narrows an instance's evaluation to some of its tasks (PostgreSQL; an instance without
+        one, or ``None``, is evaluated whole)."""
         if not instance_ids:
             return Evaluation()
         if conn is None:
             with self._single.connect() as own:
-                return self._evaluate(own, instance_ids, trace_ids or {})
-        return self._evaluate(conn, instance_ids, trace_ids or {})
+                return self._evaluate(own, instance_ids, trace_ids or {}, scopes or {})
+        return self._evaluate(conn, instance_ids, trace_ids or {}, scopes or {})
 
-    def _evaluate(self, conn: Connection, instance_ids: Sequence[str], trace_ids: dict[str, str | None]) -> Evaluation:
+    def _evaluate(self, conn: Connection, instance_ids: Sequence[str], trace_ids: dict[str, str | None],
+                  scopes: Mapping[str, Scope | None]) -> Evaluation:
         result = Evaluation()
         ids = list(instance_ids)
-        rows = conn.execute(self._query, {"ids": ids}).all()
+        params: dict[str, Any] = {"ids": ids}
+        if self._pg:
+            document: dict[str, dict[str, Any]] = {}
+            for i in ids:
+                sc = scopes.get(i)
+                document[i] = {"w": 1} if sc is None else {"k": sorted(sc.keys), "d": sorted(sc.dependents_of)}
+            params["scope"] = json.dumps(document)
+        rows = conn.execute(self._query, params).all()
         present = {str(r.instance_id) for r in rows}
-        live = {str(r.instance_id) for r in rows if r.live}
+        live = {str(r.instance_id) for r in rows if r.any_live}
         finished = [i for i in ids if i not in live]
         if finished:
             # No live task: a finished instance (its dispatch count is not needed any more, so the state

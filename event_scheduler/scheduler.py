@@ -45,7 +45,7 @@ from bridge.readiness import ready_predicate
 from bridge.routing import EventRouter
 from bridge.settings import SchedulerSettings
 from bridge.tasktable import TaskTable
-from event_scheduler.evaluate import Evaluation, Evaluator
+from event_scheduler.evaluate import Evaluation, Evaluator, Scope
 from event_scheduler.leases import PartitionLeases
 from event_scheduler.metrics import SchedulerMetrics
 from event_scheduler.timers import Timer, TimerQueue
@@ -53,6 +53,7 @@ from event_scheduler.timers import Timer, TimerQueue
 log = logging.getLogger(__name__)
 
 RECENT_EVENTS = 50_000  # event ids remembered to skip duplicates cheaply (the CAS makes them harmless anyway)
+SCOPED_CHANGES = ("insert", "status", "due", "signal")  # the task-row changes the capture trigger records
 CATCH_UP_CHUNK = 100  # instances per catch-up evaluation
 CATCH_UP_PAUSE = 0.002  # seconds the catch-up thread yields between chunks, so the loop keeps its pace
 
@@ -98,6 +99,7 @@ class EventScheduler:
         done: list[Delivery] = []
         by_instance: dict[str, list[Delivery]] = {}
         traces: dict[str, str | None] = {}
+        scopes: dict[str, Scope | None] = {}
         for d in deliveries:
             if d.event is None:
                 self._dead(d, f"unparseable entry: {d.error}", "unparseable")
@@ -113,11 +115,18 @@ class EventScheduler:
             if not self._may_matter(d.event):
                 done.append(d)
                 continue
-            by_instance.setdefault(d.event.partitionkey, []).append(d)
-            traces[d.event.partitionkey] = d.event.traceid
+            instance = d.event.partitionkey
+            by_instance.setdefault(instance, []).append(d)
+            traces[instance] = d.event.traceid
+            scope = self._scope(d.event)
+            if instance not in scopes:
+                scopes[instance] = scope
+            else:
+                had = scopes[instance]
+                scopes[instance] = None if had is None or scope is None else had | scope
         if by_instance:
             try:
-                self._apply(self.evaluator.evaluate(list(by_instance), traces, self._conn), by_instance)
+                self._apply(self.evaluator.evaluate(list(by_instance), traces, self._conn, scopes), by_instance)
                 for items in by_instance.values():
                     done.extend(items)
             except Exception as exc:
@@ -126,7 +135,8 @@ class EventScheduler:
                 log.warning("batch of %d instances failed (%s); retrying one by one", len(by_instance), exc)
                 for instance_id, items in by_instance.items():
                     try:
-                        self._apply(self.evaluator.evaluate([instance_id], traces), {instance_id: items})
+                        self._apply(self.evaluator.evaluate([instance_id], traces, scopes=scopes),
+                                    {instance_id: items})
                         done.extend(items)
                     except Exception as inner:  # left pending: redelivered, then dead-lettered
                         log.warning("instance %s failed: %s: %s", instance_id, type(inner).__name__, inner)
@@ -140,6 +150,20 @@ class EventScheduler:
             for workflow_type, n in consumed.items():
                 self.metrics.consumed.labels(workflow_type=workflow_type).inc(n)
         self.metrics.decision_latency.observe(time.perf_counter() - started)
+
+    def _scope(self, event: CloudEvent) -> Scope | None:
+        """What of its instance an event can have changed (None: anything, evaluate the whole instance).
+
+        A task's own change (insert, status, due time, signal) can change that task's readiness and
+        timers; a task that completed can also make the tasks depending on it ready. Nothing else in the
+        instance changed with it: another task's change comes with an event of its own."""
+        if event.type != TASK_STATUS_CHANGED or event.data.get("change") not in SCOPED_CHANGES:
+            return None
+        key = event.data.get("task_key")
+        if not isinstance(key, str) or not key:
+            return None
+        completed = event.data.get("new_status") == self.tables.statuses.completed
+        return Scope(frozenset((key,)), frozenset((key,)) if completed else frozenset())
 
     def _may_matter(self, event: CloudEvent) -> bool:
         """Whether an event can change what the scheduler should do for its instance.
