@@ -26,6 +26,7 @@ File layout::
     [router]               # refresh_interval = 1.0, grace = 5.0, sweep_interval = 300.0
     [gates]                # window, min_tasks, miss_budget, confidence, objective, tolerance
     [guardian]             # interval, max_outbox_age, max_lag, max_miss_rate, min_tasks, window
+    [serve]                # host, port, signal_secret, max_clock_skew, sse_buffer, sse_keepalive
     [mapping]              # see bridge.mapping; defaults to the reference legacy schema
     table = "tasks"
 """
@@ -252,6 +253,31 @@ class GuardianSettings:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    """``pollbridge serve`` (``[serve]``): the signal webhook, the SSE feeds, /tasks, /healthz, /metrics."""
+
+    host: str = "127.0.0.1"          # this host only; "0.0.0.0" exposes the service to the network
+    port: int = 8470
+    #: Shared secret of the signal webhook's HMAC-SHA256 signatures (POLLBRIDGE_SIGNAL_SECRET overrides it);
+    #: none: POST /signals answers 503. Never printed (not even in this object's repr).
+    signal_secret: str | None = field(default=None, repr=False)
+    max_clock_skew: float = 300.0    # seconds a signed timestamp may differ from the server's clock
+    sse_buffer: int = 1024           # events waiting for one SSE client before it is dropped as too slow
+    sse_keepalive: float = 15.0      # seconds between keep-alive comments on an idle SSE stream
+
+    def __post_init__(self) -> None:
+        _string(self.host, "serve.host")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port must be an integer from 0 to 65535, got {self.port!r}")
+        if self.signal_secret is not None and (not isinstance(self.signal_secret, str)
+                                               or len(self.signal_secret) < 16):
+            raise ConfigError("serve.signal_secret must be a string of at least 16 characters")
+        for name in ("max_clock_skew", "sse_keepalive"):
+            _positive(getattr(self, name), f"serve.{name}")
+        _positive(self.sse_buffer, "serve.sse_buffer", integer=True)
+
+
+@dataclass(frozen=True)
 class Settings:
     database_url: str = DEFAULT_DATABASE_URL
     bus_url: str = DEFAULT_BUS_URL
@@ -265,6 +291,7 @@ class Settings:
     router: RouterSettings = field(default_factory=RouterSettings)
     gates: GateSettings = field(default_factory=GateSettings)
     guardian: GuardianSettings = field(default_factory=GuardianSettings)
+    serve: ServeSettings = field(default_factory=ServeSettings)
     config_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -319,7 +346,7 @@ def load_settings(
 def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
     known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay", "scheduler", "router", "gates",
-             "guardian"}
+             "guardian", "serve"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(unknown)}; "
@@ -335,6 +362,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     router = _table(raw, "router", {f.name for f in fields(RouterSettings)})
     gates = _table(raw, "gates", {f.name for f in fields(GateSettings)})
     guardian = _table(raw, "guardian", {f.name for f in fields(GuardianSettings)})
+    serve = _table(raw, "serve", {f.name for f in fields(ServeSettings)})
     mapping_raw = raw.get("mapping", {})
     if not isinstance(mapping_raw, Mapping):
         raise ConfigError("[mapping] must be a table")
@@ -351,6 +379,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
             router=RouterSettings(**router),
             gates=GateSettings(**gates),
             guardian=GuardianSettings(**guardian),
+            serve=ServeSettings(**serve),
             mapping=TaskTableMapping.from_dict(mapping_raw),
         )
     except (TypeError, ValueError) as exc:  # a wrongly typed value reaching a dataclass

@@ -33,13 +33,21 @@ The contract, for every implementation:
 * **memory_pressure()** is the fraction of its memory limit the bus uses (Redis: ``used_memory /
   maxmemory``), or ``None`` without a limit; the relay pauses publishing above a threshold.
 * **close()** closes only what the bus opened (a client passed in stays open).
+* **Tailing (read-only).** ``end_positions(partitions)`` gives, per partition, the id of its newest
+  entry (``"0"`` when it has none): a tail started there sees only what is published afterwards.
+  ``tail(after, count, block)`` returns the entries after ``after[p]`` for each partition ``p`` in
+  ``after`` (``"0"``: from the start of the retained log), oldest first per partition, at most
+  ``count`` per partition, blocking up to ``block`` seconds when there are none. A tail belongs to
+  no consumer group: nothing becomes pending and no group's offset or lag moves, so a reader that
+  only tails (the SSE feed of ``pollbridge serve``) can never take an entry from the scheduler.
+  Within a partition, :func:`entry_order` sorts entry ids in publish order.
 """
 
 from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Connection
@@ -50,6 +58,16 @@ from bridge.events import CloudEvent
 def partition_for(partition_key: str, partitions: int) -> int:
     """The frozen partitioning function: CRC-32 of the UTF-8 key, modulo the partition count."""
     return zlib.crc32(partition_key.encode("utf-8")) % partitions
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """The sort key of an entry id within one partition: embedded ids are integers, Redis ids ``ms-seq``.
+
+    ``"0"`` (the position before every entry) sorts first. Raises ``ValueError`` for anything else."""
+    head, _, tail = entry_id.partition("-")
+    if not head.isdigit() or not (tail.isdigit() or tail == ""):
+        raise ValueError(f"not a bus entry id: {entry_id!r}")
+    return int(head), int(tail or 0)
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,14 @@ class EventBus(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def end_positions(self, partitions: Sequence[int]) -> dict[int, str]:
+        """Per partition, the id of its newest entry (``"0"`` when empty): where a tail of new entries starts."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be tailed")
+
+    def tail(self, after: Mapping[int, str], count: int, block: float) -> list[Delivery]:
+        """Entries after each partition's position, read-only (see the contract); ``[]`` after ``block`` seconds."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be tailed")
 
     def partition_of(self, event: CloudEvent) -> int:
         return partition_for(event.partitionkey, self.partitions)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -240,6 +240,40 @@ class EmbeddedBus(EventBus):
             conn.rollback()
         return found is not None
 
+    # ------------------------------------------------------------------ tailing (read-only, no group)
+
+    def end_positions(self, partitions: Sequence[int]) -> dict[int, str]:
+        parts = self._checked(partitions)
+        with self._reader.connect() as conn:
+            # One index probe per partition ((partition, id) index), not a grouped scan of the log.
+            newest = {p: conn.execute(sa.select(sa.func.max(bus_log.c.id)).where(bus_log.c.partition == p))
+                      .scalar() for p in parts}
+            conn.rollback()
+        return {p: str(int(n or 0)) for p, n in newest.items()}
+
+    def tail(self, after: Mapping[int, str], count: int, block: float) -> list[Delivery]:
+        """Read-only: the log rows after each position, in id order (within a partition, commit order:
+        see the module docstring), with the lock-free reader; waits like :meth:`read` when there are none."""
+        parts = self._checked(list(after))
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if not parts:
+            return []
+        offsets = {p: _position(after[p]) for p in parts}
+        deadline = time.monotonic() + max(block, 0.0)
+        seen = self._wakeup.generation
+        while True:
+            with self._reader.connect() as conn:
+                rows = conn.execute(sa.select(bus_log.c.id, bus_log.c.partition, bus_log.c.payload)
+                                    .where(_after(offsets)).order_by(bus_log.c.id).limit(count)).all()
+                conn.rollback()
+            if rows:
+                return [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            seen = self._wakeup.wait(seen, min(self._poll, remaining))
+
     # ------------------------------------------------------------------ acknowledging and redelivery
 
     def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
@@ -398,6 +432,13 @@ def _group(name: str) -> str:
     if not name or any(ch.isspace() for ch in name):
         raise ValueError(f"invalid consumer group name {name!r}: non-empty, no whitespace")
     return name
+
+
+def _position(entry_id: str) -> int:
+    """An embedded tail position: a log id (``"0"``: before the first entry)."""
+    if not entry_id.isdigit():
+        raise ValueError(f"not an embedded bus entry id: {entry_id!r}")
+    return int(entry_id)
 
 
 def _after(offsets: dict[int, int]) -> ColumnElement[bool]:

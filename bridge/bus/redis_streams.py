@@ -41,7 +41,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -274,6 +274,47 @@ class RedisStreamsBus(EventBus):
             info = None if isinstance(result, Exception) else _find_group(result, group)
             positions[self.keys.stream(p)] = "0-0" if info is None else _text(info.get("last-delivered-id", "0-0"))
         return positions
+
+    # ------------------------------------------------------------------ tailing (read-only, no group)
+
+    def end_positions(self, partitions: Sequence[int]) -> dict[int, str]:
+        """``XREVRANGE + - COUNT 1`` per stream (one pipelined round trip); ``"0"`` for an empty or missing one."""
+        parts = self._checked(partitions)
+        pipe = self._client.pipeline(transaction=False)
+        for p in parts:
+            pipe.xrevrange(self.keys.stream(p), max="+", min="-", count=1)
+        out: dict[int, str] = {}
+        for p, result in zip(parts, pipe.execute(), strict=True):
+            out[p] = _text(result[0][0]) if result else "0"
+        return out
+
+    def tail(self, after: Mapping[int, str], count: int, block: float) -> list[Delivery]:
+        """Plain ``XREAD`` (no group: nothing pending, no offset moved) from each position; ``COUNT`` is per
+        stream. Long blocks are a loop of waits shorter than the socket timeout, as in :meth:`read`."""
+        parts = self._checked(list(after))
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if not parts:
+            return []
+        for p in parts:
+            _parse_id(after[p])  # a ValueError for a position that is no stream id
+        streams: dict[Any, Any] = {self.keys.stream(p): after[p] for p in parts}
+        by_stream = {self.keys.stream(p).encode(): p for p in parts}
+        deadline = time.monotonic() + max(block, 0.0)
+        while True:
+            remaining = deadline - time.monotonic()
+            wait = remaining if self._max_wait is None else min(remaining, self._max_wait)
+            reply = self._client.xread(streams, count=count, block=max(1, int(wait * 1000)) if wait > 0 else None)
+            out: list[Delivery] = []
+            items = reply.items() if isinstance(reply, dict) else (reply or [])
+            for item in items:
+                stream, entries = item[0], item[1]
+                key = stream if isinstance(stream, bytes) else str(stream).encode()
+                partition = by_stream[key]
+                out.extend(_delivery(entry_id, fields, partition)
+                           for entry_id, fields in _stream_entries([[stream, entries]]) if fields is not None)
+            if out or deadline - time.monotonic() <= 0:
+                return out
 
     # ------------------------------------------------------------------ acknowledging and redelivery
 

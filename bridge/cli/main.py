@@ -584,6 +584,8 @@ def _register() -> None:
     cli.add_command(explain)
     cli.add_command(status)
     cli.add_command(metrics)
+    from bridge.cli.serve import serve
+    cli.add_command(serve)
 
 
 _register()

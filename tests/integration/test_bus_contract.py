@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.bus.abc import Delivery, EventBus, partition_for
+from bridge.bus.abc import Delivery, EventBus, entry_order, partition_for
 from bridge.bus.embedded import EmbeddedBus
 from bridge.bus.keys import BusKeys
 from bridge.bus.redis_streams import RedisStreamsBus
@@ -452,6 +452,74 @@ def test_epoch_is_stable_while_the_data_is(bus: EventBus, twin: Callable[[], Eve
     assert first and bus.epoch() == first
     bus.publish([_event("inst-epoch", 1)])
     assert twin().epoch() == first
+
+
+def _tail_all(bus: EventBus, after: dict[int, str], n: int, count: int = 1000,
+              timeout: float = 10.0) -> list[Delivery]:
+    """Tail from ``after`` (advancing it) until ``n`` entries arrived, then check that no more come."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} entries tailed"
+        batch = bus.tail(after, count, 0.2)
+        for d in batch:
+            assert entry_order(d.entry_id) > entry_order(after[d.partition]), "a tail went backwards"
+            after[d.partition] = d.entry_id
+        got.extend(batch)
+    assert bus.tail(after, count, 0) == []
+    return got
+
+
+def test_tail_reads_everything_in_order_and_takes_nothing_from_any_group(bus: EventBus) -> None:
+    """The SSE feed's read path: no group, so the scheduler's group still gets every entry."""
+    keys = _keys_on_distinct_partitions(P)
+    bus.ensure_group("sched")
+    assert bus.end_positions(ALL) == dict.fromkeys(ALL, "0")
+    events = [_event(keys[n % P], n) for n in range(20)]
+    bus.publish(events)
+    lag_before = bus.lag("sched")
+    got = _tail_all(bus, dict.fromkeys(ALL, "0"), 20, count=3)  # small pages: positions resume exactly
+    assert sorted(d.payload for d in got) == sorted(e.to_json() for e in events)
+    for p in ALL:  # per partition: publish order, ids increasing
+        mine = [d for d in got if d.partition == p]
+        assert [d.event.id for d in mine if d.event] == [e.id for e in events if bus.partition_of(e) == p]
+    assert bus.lag("sched") == lag_before and _total(lag_before) == 20
+    assert bus.pending_count("sched") == 0
+    assert len(_read_n(bus, "sched", "c", 20)) == 20  # the group still receives every entry
+
+
+def test_tail_from_end_positions_sees_only_later_entries_and_wakes_promptly(
+        bus: EventBus, twin: Callable[[], EventBus]) -> None:
+    bus.publish([_event("inst-old", n) for n in range(3)])
+    end = bus.end_positions(ALL)
+    assert sum(1 for p in ALL if end[p] != "0") >= 1
+    start = time.monotonic()
+    assert bus.tail(end, 10, 0) == []  # block 0: no wait
+    assert time.monotonic() - start < 1.0
+    event = _event("inst-new", 1)
+    timer = threading.Timer(0.3, lambda: twin().publish([event]))
+    timer.start()
+    start = time.monotonic()
+    got = bus.tail(end, 10, 10.0)
+    timer.join(10)
+    assert [d.payload for d in got] == [event.to_json()]
+    assert time.monotonic() - start < 5.0
+    assert entry_order(got[0].entry_id) > entry_order(end[got[0].partition])
+    moved = bus.end_positions([got[0].partition])
+    assert moved == {got[0].partition: got[0].entry_id}
+    start = time.monotonic()
+    assert bus.tail({got[0].partition: got[0].entry_id}, 10, 0.3) == []
+    assert time.monotonic() - start >= 0.25
+
+
+def test_tail_rejects_bad_positions_and_partitions(bus: EventBus) -> None:
+    with pytest.raises(ValueError):
+        bus.tail({0: "not-an-id"}, 10, 0)
+    with pytest.raises(ValueError):
+        bus.tail({P: "0"}, 10, 0)
+    with pytest.raises(ValueError):
+        bus.tail({0: "0"}, 0, 0)
+    assert entry_order("0") < entry_order("1") < entry_order("2-0") < entry_order("2-1") < entry_order("10")
 
 
 OPS = st.lists(
