@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from datetime import datetime
@@ -344,6 +345,51 @@ def start_profilers(procs: Processes, directory: Path, seconds: float) -> list[s
     return out
 
 
+class Maintenance:
+    """``VACUUM (ANALYZE)`` of the busy tables every ``interval`` seconds on a thread, standing in for
+    autovacuum when the server runs without it (this machine's PostgreSQL has ``autovacuum = off``): without
+    it an hour of steady load piles up dead rows and stale statistics, and every query slows down."""
+
+    TABLES = "tasks, workflow_instances, pollbridge_outbox, pollbridge_dispatch_log"
+
+    def __init__(self, url: str, interval: float = 60.0) -> None:
+        self.url, self.interval = url, interval
+        self.stop = threading.Event()
+        self.runs: list[float] = []
+        self.thread = threading.Thread(target=self._run, name="bench-maintenance", daemon=True)
+
+    def _run(self) -> None:
+        engine = create_engine(self.url)
+        try:
+            while not self.stop.wait(self.interval):
+                started = time.monotonic()
+                with engine.connect() as conn:
+                    conn.execution_options(isolation_level="AUTOCOMMIT").execute(
+                        sa.text(f"VACUUM (ANALYZE) {self.TABLES}"))
+                self.runs.append(round(time.monotonic() - started, 2))
+        finally:
+            engine.dispose()
+
+    def __enter__(self) -> Maintenance:
+        if not autovacuum_on(self.url):
+            self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(120)
+
+
+def autovacuum_on(url: str) -> bool:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return str(conn.execute(sa.text("SHOW autovacuum")).scalar_one()) == "on"
+    finally:
+        engine.dispose()
+
+
 def soak(url: str, procs: Processes, schedulers: list[subprocess.Popen[bytes]], minutes: float, rate: float,
          length: int) -> dict[str, Any]:
     """Steady load for ``minutes``: RSS and latency sampled every minute."""
@@ -352,7 +398,9 @@ def soak(url: str, procs: Processes, schedulers: list[subprocess.Popen[bytes]], 
     per_second = max(1, round(rate / length))
     seeded = max(200, int(rate * 10 / length))
     samples: list[dict[str, Any]] = []
+    maintenance = Maintenance(url)
     try:
+        maintenance.__enter__()
         seed_chains(engine, prefix, 1, seeded, length)
         analyze(engine)
         wait_for_roots(engine, procs, prefix, seeded, "events")
@@ -378,8 +426,10 @@ def soak(url: str, procs: Processes, schedulers: list[subprocess.Popen[bytes]], 
                   f"load {sample['load']}", flush=True)
         stranded, _ = drain(engine, prefix)
     finally:
+        maintenance.__exit__()
         engine.dispose()
-    return {"minutes": int(minutes), "rate": rate, "instances": seeded, "stranded": stranded, "samples": samples}
+    return {"minutes": int(minutes), "rate": rate, "instances": seeded, "stranded": stranded, "samples": samples,
+            "vacuum_analyze_s": maintenance.runs}
 
 
 def _latencies(engine: sa.Engine, prefix: str, t0: datetime, t1: datetime) -> list[float]:
