@@ -1,0 +1,47 @@
+"""Random faults under a running mixed workload, every component its own process, PostgreSQL + Redis.
+
+The engine is :mod:`chaos_support` (its docstring lists the faults and the checks); ``python -m bench.faults
+--minutes N`` runs the same engine for a long soak. This CI instance injects faults for
+``POLLBRIDGE_CHAOS_SECONDS`` (default 60) seconds and takes about two and a half minutes in all. The seed is
+random and printed; ``POLLBRIDGE_CHAOS_SEED=N`` replays a run's fault schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from chaos_support import KINDS, ChaosOptions, log_tails, new_workdir, run_chaos
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
+
+
+def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    if shutil.which("redis-server") is None:  # the faults need a Redis of their own to flush and restart
+        message = "redis-server is not installed (the chaos suite starts a private one to flush and restart)"
+        if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    seed = os.environ.get("POLLBRIDGE_CHAOS_SEED")
+    seconds = float(os.environ.get("POLLBRIDGE_CHAOS_SECONDS", "60"))
+    workdir = new_workdir(tmp_path)
+
+    def say(line: str) -> None:
+        with capsys.disabled():  # the seed and the faults are worth seeing as they happen
+            print(line, flush=True)
+
+    options = ChaosOptions(db_url=pg_url, workdir=workdir, seconds=seconds, seed=int(seed) if seed else None,
+                           settle_timeout=90, say=say)
+    report = run_chaos(options)
+    say(report.figure_line())
+    say(report.latency_line())
+    for note in report.notes:
+        say(f"note: {note}")
+    failure = "\n".join(report.problems) + f"\nseed {report.seed}; logs in {workdir}\n" + log_tails(workdir)
+    assert report.ok, failure
+    assert set(report.faults) == set(KINDS), f"a kind of fault was never injected: {report.faults}"
+    assert report.tasks >= 300 and report.completed > report.tasks // 2, report.figure_line()
+    assert report.dead_letters.get("malformed", 0) >= 2, report.figure_line()  # at least the final round
