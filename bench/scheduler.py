@@ -18,12 +18,18 @@ ready was dispatched (a task still ready and not dispatched after 30 s is report
 1. *Latency*: completions paced at ``--rate`` per second for ``--seconds``; also per second of the
    window (``per_second`` in the JSON), so a stall shows.
 2. *Throughput*: completions as fast as the completer can go for ``--seconds``; task transitions/s
-   counts the dispatches (pending → queued) and completions (queued → completed) inside the window.
+   counts the dispatches (pending → queued) and completions (queued → completed) inside the window;
+   "sustained" is twice the dispatch rate (the closed loop's steady state: completions can run ahead
+   for a while by draining the tasks queued before the window).
 3. *Memory*: the schedulers' resident set size at the start and the end of the run.
 
 ``--profile DIR`` records each scheduler with py-spy during the latency phase (collapsed stacks,
 ``DIR/schedulerN.txt``). ``--soak-minutes N`` runs only a soak: completions at ``--soak-rate``/s with
-new chains seeded every second, sampling each scheduler's RSS and the minute's latency every minute.
+new chains seeded every second, sampling each scheduler's RSS and the minute's latency every minute
+(with ``VACUUM (ANALYZE)`` every minute when the server runs without autovacuum).
+
+The seeded tables are analyzed before measuring (as autovacuum would do shortly after a bulk load);
+each phase reports the load average before and after and the CPU seconds per second of every process.
 """
 
 from __future__ import annotations
@@ -317,6 +323,10 @@ def run_phase(url: str, procs: Processes, label: str, rate: float | None, second
                   "completions_per_s": round(completed / elapsed, 1),
                   "dispatches_per_s": round(dispatched / elapsed, 1),
                   "transitions_per_s": round((completed + dispatched) / elapsed, 1),
+                  # Closed loop: in a steady state every dispatch is followed by a completion, so twice the
+                  # dispatch rate is what the pipeline sustains (completions can run ahead for a while by
+                  # draining the tasks queued before the window).
+                  "sustained_transitions_per_s": round(2 * dispatched / elapsed, 1),
                   "load_before": load, "load_after": load_average(),
                   "drain_s": drained, "stranded": stranded,
                   # CPU seconds per second of the window, per process (postgres: all its processes)
@@ -507,7 +517,8 @@ def main() -> None:
         r = results[name]
         lat = r["latency"]
         worst = max(lat["per_second"], key=lambda s: s["p99_ms"], default=None)
-        print(f"{name:18} {r['completions_per_s']:>8} completions/s {r['transitions_per_s']:>8} transitions/s  "
+        print(f"{name:18} {r['completions_per_s']:>8} completions/s {r['dispatches_per_s']:>8} dispatches/s "
+              f"{r['transitions_per_s']:>8} transitions/s ({r['sustained_transitions_per_s']} sustained)  "
               f"ready->dispatch p50 {lat['p50_ms']} ms p90 {lat['p90_ms']} ms p99 {lat['p99_ms']} ms "
               f"max {lat['max_ms']} ms (n={lat['n']}, stranded {r['stranded']}); worst second "
               f"{worst and worst['s']}: p99 {worst and worst['p99_ms']} ms; "
