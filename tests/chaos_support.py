@@ -948,7 +948,8 @@ class Chaos:
 
     def _flip(self) -> str:
         workflow_type = self.rng.choice(TYPES)
-        phase = self.rng.choice(PHASES)
+        # Mostly towards the event path: rollbacks and the guardian pull the other way.
+        phase = self.rng.choices(PHASES, (1, 1, 2, 3))[0]
         args = ["flags", "set", workflow_type, phase, "--force", "--reason", "chaos", "--actor", "chaos"]
         if phase == "selective" and self.rng.random() < 0.6:
             args += ["--percent", self.rng.choice(("10", "50", "90", "33.33"))]
