@@ -288,9 +288,10 @@ def test_a_password_given_as_a_query_parameter_is_masked_too(which: str, pg_url:
 
 @pytest.mark.xfail(strict=True, reason="bug: `pollbridge scheduler run` with the bus down at start dies with a redis "
                                        "ConnectionError traceback: event_scheduler/scheduler.py EventScheduler."
-                                       "__init__ calls self.bus.ensure_group() outside any retry, and bridge/cli/main.py "
-                                       "scheduler_run catches only PollbridgeError; `relay run` in the same situation "
-                                       "keeps retrying. Retry ensure_group in run() (or fail with one line)")
+                                       "__init__ calls self.bus.ensure_group() outside any retry, and "
+                                       "bridge/cli/main.py scheduler_run catches only PollbridgeError; `relay run` "
+                                       "in the same situation keeps retrying. Retry ensure_group in run() (or fail "
+                                       "with one line)")
 def test_the_scheduler_started_while_the_bus_is_down_waits_or_says_so_in_one_line(sqlite_url: str,
                                                                                   tmp_path: Path) -> None:
     exe = shutil.which("pollbridge")
