@@ -460,7 +460,8 @@ class ChaosReport:
                 f"{self.failed} failed, {self.blocked} blocked); {sum(self.dispatches.values())} dispatches "
                 f"({paths}); lost {self.lost}, double {self.double}, early {self.early}, unlogged {self.unlogged}, "
                 f"unpublished {self.unpublished}; dead letters: {dead} (every one with a reason: "
-                f"{'yes' if not any('reason' in p for p in self.problems) else 'NO'})")
+                f"{'yes' if not any('reason' in p for p in self.problems) else 'NO'}); "
+                f"guardian demotions {self.guardian_demotions}")
 
     def latency_line(self) -> str:
         parts = [f"{path} p50 {_fmt(v['p50'])} / p99 {_fmt(v['p99'])} / max {_fmt(v['max'])} ms"
