@@ -551,6 +551,10 @@ class Workload:
             heapq.heapify(self.pending_signals)
             return task_id
 
+    def give_back(self, task_id: int) -> None:
+        with self.lock:
+            heapq.heappush(self.pending_signals, (time.monotonic(), task_id, "callback"))
+
     def seeder(self, until: float) -> None:
         try:
             interval = 0.5
@@ -837,10 +841,13 @@ class Chaos:
                             (signal_task,)).rowcount
                     ready.set()
                     time.sleep(hold)
+                info["committed"] = True
             except Exception as exc:
                 info["error"] = f"{type(exc).__name__}: {exc}"
             finally:
                 ready.set()
+                if signal_task is not None and not (info.get("committed") and info.get("signalled")):
+                    self.workload.give_back(signal_task)  # not recorded here: the signaller sends it
 
         self.long_txn = threading.Thread(target=body, name="chaos-long-transaction", daemon=True)
         self.long_txn.start()
