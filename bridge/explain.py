@@ -366,18 +366,11 @@ def phase_at(spans: Sequence[PhaseSpan], at: datetime | None) -> str:
 
 
 def _task_key(tt: TaskTable, raw: str) -> Any:
-    """The id as the id column's Python type; an id that cannot be one is an unknown task."""
-    try:
-        python_type = tt.col("id").type.python_type
-    except NotImplementedError:
-        return raw
-    if python_type is str:
-        return raw
-    try:
-        return python_type(raw.strip())
-    except (TypeError, ValueError):
-        raise UnknownTask(f"no task {raw!r} in {_table_name(tt)}: {tt.mapping.columns.id!r} holds "
-                          f"{python_type.__name__} values") from None
+    """The id as the id column's Python type; an id that cannot be one (not plain digits for an integer
+    id, or past the column's range) is an unknown task."""
+    from event_scheduler.signals import parse_task_id
+
+    return parse_task_id(tt, raw, UnknownTask)
 
 
 def _table_name(tt: TaskTable) -> str:

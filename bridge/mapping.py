@@ -221,5 +221,5 @@ def _section(raw: Mapping[str, Any], key: str, kind: type, extra: set[str] | Non
 def _reject_unknown(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(raw) - allowed)
     if unknown:
-        raise MappingError(f"unknown key(s) in [{where}]: {', '.join(unknown)}; expected some of: "
+        raise MappingError(f"unknown key(s) in [{where}]: {', '.join(map(repr, unknown))}; expected some of: "
                            f"{', '.join(sorted(allowed))}")

@@ -185,6 +185,8 @@ class SchedulerSettings:
         if self.phase is not None and self.phase not in PHASES:
             raise ConfigError(f"scheduler.phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
         _string(self.group, "scheduler.group")
+        if any(ch.isspace() for ch in self.group):
+            raise ConfigError(f"scheduler.group must not contain whitespace, got {self.group!r}")
 
     def for_type(self, workflow_type: str | None) -> TypeSettings:
         for name, settings in self.types:
@@ -349,7 +351,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
              "guardian", "serve"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown section(s) in configuration: {', '.join(unknown)}; "
+        raise ConfigError(f"unknown section(s) in configuration: {', '.join(map(repr, unknown))}; "
                           f"expected some of: {', '.join(sorted(known))}")
     database = _table(raw, "database", {"url"})
     bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout"})
@@ -410,7 +412,7 @@ def _table(raw: Mapping[str, Any], name: str, allowed: set[str]) -> dict[str, An
         raise ConfigError(f"[{name}] must be a table")
     unknown = sorted(set(value) - allowed)
     if unknown:
-        raise ConfigError(f"unknown key(s) in [{name}]: {', '.join(unknown)}; "
+        raise ConfigError(f"unknown key(s) in [{name}]: {', '.join(map(repr, unknown))}; "
                           f"expected some of: {', '.join(sorted(allowed))}")
     return dict(value)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import NoSuchTableError
+from sqlalchemy.exc import NoSuchTableError, OperationalError, ProgrammingError
 
 from bridge.exceptions import MappingMismatch
 from bridge.mapping import TaskTableMapping
@@ -94,7 +94,8 @@ def _qualified(name: str, schema: str | None) -> str:
 def _reflect(bind: Engine | Connection, metadata: sa.MetaData, name: str, schema: str | None) -> sa.Table:
     try:
         return sa.Table(name, metadata, schema=schema, autoload_with=bind)
-    except NoSuchTableError:
+    except (NoSuchTableError, OperationalError, ProgrammingError):
+        # SQLite reports a schema that does not exist as "unknown database": the same mismatch for the user.
         raise MappingMismatch(
             f"table {_qualified(name, schema)!r} named by the mapping does not exist in the database; "
             "fix the [mapping] section of pollbridge.toml or create the table "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,16 +36,31 @@ class SignalResult:
 
 
 def _task_id(tt: TaskTable, raw: str) -> Any:
+    return parse_task_id(tt, raw, SignalError)
+
+
+def parse_task_id(tt: TaskTable, raw: str, error: type[Exception]) -> Any:
+    """``raw`` as a value of the task table's id column, or ``error`` with a clear message.
+
+    Integer ids must be plain ASCII digits within the column's range: ``int()`` would also take
+    ``" 10 "``, ``"1_0"`` or other scripts' digits, and an id past the range would reach the database
+    as an overflow."""
     column_type = tt.col("id").type
     try:
         python_type = column_type.python_type
     except NotImplementedError:
         return raw
+    where = f"{tt.mapping.table}.{tt.mapping.columns.id}"
+    if python_type is int:
+        limit = 2**31 if type(column_type).__name__.upper() in ("INTEGER", "SMALLINTEGER") and \
+            tt.dialect_name == "postgresql" else 2**63
+        if not (isinstance(raw, str) and re.fullmatch(r"-?[0-9]{1,19}", raw)) or not -limit <= int(raw) < limit:
+            raise error(f"task id {raw!r} is not a valid integer id of {where}")
+        return int(raw)
     try:
         return python_type(raw)
     except (TypeError, ValueError):
-        raise SignalError(f"task id {raw!r} is not a valid {python_type.__name__} (the type of "
-                          f"{tt.mapping.table}.{tt.mapping.columns.id})") from None
+        raise error(f"task id {raw!r} is not a valid {python_type.__name__} (the type of {where})") from None
 
 
 def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, payload: str | None = None,
@@ -94,9 +110,9 @@ def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, pay
             .values(values)).rowcount
         if changed != 1:
             raise SignalError(f"task {task_id} changed while the signal was being recorded; try again")
-        conn.execute(signals.insert().values(task_id=str(task_id), kind=kind, payload=payload,
+        conn.execute(signals.insert().values(task_id=str(key), kind=kind, payload=payload,
                                              actor=actor or _os_user(), received_at=now))
-    return SignalResult(str(task_id), kind, new_status)
+    return SignalResult(str(key), kind, new_status)
 
 
 def _os_user() -> str:

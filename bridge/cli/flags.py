@@ -13,6 +13,7 @@ from typing import Any
 import click
 import sqlalchemy as sa
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bridge.db import check_connection, create_engine, read_only
@@ -75,10 +76,10 @@ def flags_list(ctx: click.Context, as_json: bool) -> None:
         return
     table = Table("workflow type", "phase", "percent", "grace (s)", "changed", "by", title="flags")
     for flag, source in rows:
-        table.add_row(flag.workflow_type, flag.phase + (" (no flag)" if source == "default" else ""),
+        table.add_row(escape(flag.workflow_type), flag.phase + (" (no flag)" if source == "default" else ""),
                       "" if flag.phase != "selective" else ("100" if flag.percent is None else f"{flag.percent:g}"),
                       f"{flag.grace_seconds:g}", flag.updated_at.isoformat(timespec="seconds") if flag.updated_at
-                      else "", flag.updated_by or "")
+                      else "", escape(flag.updated_by or ""))
     Console().print(table)
 
 
@@ -196,8 +197,8 @@ def flags_history(ctx: click.Context, workflow_type: str | None, limit: int, as_
         return
     table = Table("time", "workflow type", "action", "change", "actor", "forced", "reason", title="flag history")
     for c in changes:
-        table.add_row(c.changed_at.isoformat(timespec="seconds"), c.workflow_type, c.action, _change_line(c), c.actor,
-                      "yes" if c.forced else "", c.reason)
+        table.add_row(c.changed_at.isoformat(timespec="seconds"), escape(c.workflow_type), c.action,
+                      escape(_change_line(c)), escape(c.actor), "yes" if c.forced else "", escape(c.reason))
     Console(width=160).print(table)
 
 

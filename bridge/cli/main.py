@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bridge import __version__, install
@@ -450,6 +451,16 @@ def _open_bus_of(ctx: click.Context) -> tuple[Any, Any]:
                             namespace=settings.bus.namespace)
 
 
+def _bus_error(ctx: click.Context, exc: BaseException) -> None:
+    """A bus that cannot be reached (refused, TLS to a plain server, timeout) is one line, exit 1."""
+    import redis
+
+    if isinstance(exc, redis.RedisError | OSError):
+        url = mask_url(settings_of(ctx).bus_url)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fail(f"cannot reach the bus {url}: {reason}", 1)
+
+
 @dlq.command("list")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, envvar="POLLBRIDGE_DLQ_LIMIT",
               show_envvar=True, help="Most entries to show.")
@@ -461,6 +472,9 @@ def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
     engine, bus = _open_bus_of(ctx)
     try:
         letters = bus.dead_letters(limit)
+    except Exception as exc:
+        _bus_error(ctx, exc)
+        raise
     finally:
         bus.close()
         engine.dispose()
@@ -471,7 +485,8 @@ def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
     for column in ("id", "group", "partition", "reason", "payload"):
         table.add_column(column)
     for letter in letters:
-        table.add_row(letter.id, letter.group, str(letter.partition), letter.reason, letter.payload[:60])
+        table.add_row(escape(letter.id), escape(letter.group), str(letter.partition), escape(letter.reason),
+                      escape(letter.payload[:60]))
     Console().print(table)
 
 
@@ -503,6 +518,9 @@ def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> No
             fail("cannot replay entries that are still malformed (purge them instead): " + "; ".join(bad), 1)
         bus.publish(events)
         bus.remove_dead_letters(chosen)
+    except Exception as exc:
+        _bus_error(ctx, exc)
+        raise
     finally:
         bus.close()
         engine.dispose()
@@ -529,6 +547,9 @@ def dlq_purge(ctx: click.Context, ids: tuple[str, ...], purge_all: bool, yes: bo
         if not yes and not click.confirm(f"Delete {len(chosen)} dead letter(s) for good?"):
             fail("aborted: nothing purged", 1)
         removed = bus.remove_dead_letters(chosen)
+    except Exception as exc:
+        _bus_error(ctx, exc)
+        raise
     finally:
         bus.close()
         engine.dispose()

@@ -248,10 +248,6 @@ def test_a_rejected_configuration_changes_nothing(doc: dict[str, Any] | str, ins
         assert dump(engine) == before
 
 
-@pytest.mark.xfail(strict=True, reason="bug: bridge/settings.py (settings_from_dict, _table) and bridge/mapping.py "
-                                       "(_reject_unknown) join unknown keys raw into the message: a key holding a "
-                                       "newline or an escape sequence breaks the one-line error (and reaches the "
-                                       "terminal as is); they should be shown with repr()")
 @pytest.mark.parametrize("doc", ['"bad\\nsection" = 1', '[bus]\n"x\\u001b[2J" = 1', '[mapping]\n"a\\nb" = 1'])
 def test_an_unknown_key_with_control_characters_is_shown_escaped(doc: str, tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
@@ -332,9 +328,6 @@ def test_a_mapped_name_is_validated_before_anything_is_installed(path: tuple[str
     assert dump(engine) == before, "a rejected init installed something"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: bridge/tasktable.py _reflect() catches only NoSuchTableError; on "
-                                       "SQLite a schema that does not exist raises OperationalError 'unknown "
-                                       "database', which escapes as a traceback")
 @pytest.mark.parametrize("key", ["schema", "instances.schema"])
 def test_a_mapped_schema_that_does_not_exist_is_a_clean_error_on_sqlite(key: str, demo_only: tuple[str, Engine],
                                                                         tmp_path: Path) -> None:
@@ -397,7 +390,7 @@ def _arg(strategy: st.SearchStrategy[str]) -> st.SearchStrategy[list[str]]:
 
 
 def _huge(text: str) -> bool:
-    """A task id past the database's integer range (see the xfail test below)."""
+    """A task id past the database's integer range."""
     try:
         return abs(int(text)) >= 2**31
     except ValueError:
@@ -464,11 +457,6 @@ def test_generated_cli_arguments_exit_cleanly_and_a_refusal_changes_nothing(args
                                        "the database"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a task id past the integer range reaches the database: `signal` "
-                                       "(event_scheduler/signals.py record_signal, line 69) and `explain` "
-                                       "(bridge/explain.py _task_row, line 406) end in a traceback (OverflowError on "
-                                       "SQLite, DataError on PostgreSQL; `explain` there says 'is pollbridge "
-                                       "installed?'), instead of 'no task ...' with exit 2")
 @pytest.mark.parametrize("args", [["explain", "99999999999999999999999"],
                                   ["signal", "99999999999999999999999", "--kind", "callback"]])
 def test_a_task_id_out_of_the_integer_range_is_no_such_task(args: list[str], installed: tuple[str, Engine]) -> None:
@@ -677,10 +665,6 @@ def test_a_signal_is_recorded_or_refused_with_one_line_and_no_change(payload: st
         conn.execute(sa.text("DELETE FROM pollbridge_outbox"))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: event_scheduler/signals.py _task_id() converts with int(), which "
-                                       "accepts '1_0', ' 10 ', '+10' and other digits (Unicode) as task 10, and "
-                                       "record_signal stores the raw text as pollbridge_signals.task_id, so "
-                                       "`explain 10` never shows the signal")
 @pytest.mark.parametrize("spelling", ["0_3", " 3", "+3", "\uff13"])  # the last: a fullwidth digit three
 def test_a_task_id_is_taken_only_in_its_canonical_spelling(spelling: str, installed: tuple[str, Engine]) -> None:
     _, engine = installed
@@ -695,13 +679,6 @@ def test_a_task_id_is_taken_only_in_its_canonical_spelling(spelling: str, instal
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(strict=True, reason="bug: bridge/tasktable.py _reflect() turns every NoSuchTableError into "
-                                       "'table ... does not exist' (MappingMismatch), but SQLAlchemy raises "
-                                       "NoSuchTableError when the connection dies during reflection: a process "
-                                       "starting while its connection is cut tells the operator to fix a mapping "
-                                       "that is right (seen in the chaos suite: `scheduler run` after "
-                                       "pg_terminate_backend). Re-check with a fresh connection, or report the "
-                                       "connection error (DatabaseUnavailable)")
 def test_a_connection_lost_while_reading_the_mapping_is_not_a_missing_table(pg_url: str) -> None:
     import psycopg
 

@@ -192,10 +192,6 @@ def test_redis_commands_cannot_be_smuggled_through_names(redis_server: str, redi
         client.close()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: bridge/settings.py SchedulerSettings accepts a consumer group with "
-                                       "whitespace; `scheduler run` then dies with a ValueError traceback from the "
-                                       "bus (bridge/bus/embedded.py _group, bridge/bus/keys.py BusKeys.group) "
-                                       "instead of a config error (exit 2)")
 def test_scheduler_group_with_whitespace_is_refused_by_the_settings(tmp_path: Path) -> None:
     (tmp_path / "pollbridge.toml").write_text('[scheduler]\ngroup = "a b"\n', encoding="utf-8")
     with pytest.raises(PollbridgeError) as raised:
@@ -329,12 +325,6 @@ def test_hostile_status_values_and_type_names_are_bound_never_executed(db_url: s
         engine.dispose()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: rich markup in data is interpreted: bridge/cli/flags.py flags_list and "
-                                       "bridge/cli/main.py dlq_list put workflow types and dead-letter payloads "
-                                       "into rich Tables unescaped, so a type named '[/]' or a bus entry "
-                                       "containing '[/]' ends `flags list` / `dlq list` with a MarkupError "
-                                       "traceback (and '[bold]…' restyles the output); escape with "
-                                       "rich.markup.escape() or pass Text objects")
 @pytest.mark.parametrize("command", ["flags list", "dlq list"])
 def test_markup_in_data_is_shown_not_interpreted(command: str, sqlite_url: str, tmp_path: Path) -> None:
     engine = create_engine(sqlite_url)
@@ -441,9 +431,6 @@ def test_a_rediss_url_to_a_server_without_tls_is_a_clean_error(plaintext_server:
         assert "127.0.0.1" in result.stdout + result.stderr  # says which bus
 
 
-@pytest.mark.xfail(strict=True, reason="bug: bridge/cli/main.py dlq list/replay/purge (_open_bus_of) let a bus "
-                                       "connection error escape: a rediss:// URL to a server without TLS (or an "
-                                       "unreachable Redis) ends in a redis traceback instead of one line, exit 1")
 def test_dlq_list_over_a_rediss_url_to_a_server_without_tls_is_one_line(plaintext_server: int, sqlite_url: str,
                                                                         tmp_path: Path) -> None:
     result = invoke(["--database-url", sqlite_url, "--bus-url", f"rediss://127.0.0.1:{plaintext_server}/0",
