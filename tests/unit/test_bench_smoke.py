@@ -1,0 +1,70 @@
+"""Smoke tests of the benchmark scripts' pure parts (the scripts themselves run in CI with --quick)."""
+
+from __future__ import annotations
+
+import importlib
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not part of the installed package
+
+from bench import _paths_common as pc
+from bench.paths import build_workload
+from bridge.verify import percentile
+
+
+@pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal"])
+def test_help_parses(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+def test_scale_is_reachable_from_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.paths import main
+
+    with pytest.raises(SystemExit):
+        main(["--scale", "--help"])
+    assert "python -m bench.scale" in capsys.readouterr().out
+
+
+def test_workload_is_the_same_for_every_path() -> None:
+    a = build_workload(30, 10, 10.0, "steady", seed=3)
+    b = build_workload(30, 10, 10.0, "steady", seed=3)
+    assert a == b
+    assert {s.workflow_type for s in a.specs} == {"orders", "reports", "etl"}
+    assert a.tasks == sum(len(s.tasks) for s in a.specs)
+    assert a.offsets[:3] == [0.0, 0.1, 0.2]
+    burst = build_workload(5, 4, 10.0, "burst", seed=3)
+    assert burst.offsets == [0.0] * 5
+    poisson = build_workload(50, 4, 10.0, "poisson", seed=3)
+    assert poisson.offsets == sorted(poisson.offsets)
+
+
+def test_percentiles_ranked_in_sql_match_nearest_rank() -> None:
+    values = [float(v) for v in (7, 1, 3, 9, 4, 4, 12, 0.5, 30, 2)]
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE l (ms REAL)")
+    conn.executemany("INSERT INTO l VALUES (?)", [(v,) for v in values])
+    n, got = pc.ranked(lambda q, p: conn.execute(q, p).fetchall(), "SELECT ms FROM l", (), (0.5, 0.9, 0.99, 1.0))
+    assert n == len(values)
+    for q in (0.5, 0.9, 0.99, 1.0):
+        assert got[q] == percentile(values, q * 100)
+    assert pc.summary(n, got)["max_ms"] == 30.0
+
+
+def test_table_and_no_png() -> None:
+    text = pc.table(["path", "p50 ms"], [["events", 3.14159], ["poller", 1234.0], ["x", None]])
+    assert "3.14" in text and "1,234" in text and "-" in text
+    assert pc.plot(None, "t", "x", "y", {"a": [[1.0, 0.5]]}) is None
+
+
+def test_png_drawn_when_matplotlib_is_there(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "cdf.png"
+    assert pc.plot(str(png), "t", "x", "y", {"a": [[1.0, 0.5], [2.0, 1.0]]}, logx=True, step=True) is None
+    assert png.stat().st_size > 1000
