@@ -28,12 +28,17 @@ _CREDENTIALS = re.compile(r"^(?P<scheme>[A-Za-z][\w+.-]*://)(?P<user>[^:/@]*):(?
                           re.DOTALL)
 
 
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
+
+
 def mask_url(url: str | URL) -> str:
     """The URL as text with any password replaced by ``***``; safe for logs, errors and reports.
 
     Everything between ``user:`` and the *last* ``@`` is treated as the password, so a password
     with an unescaped ``@`` (a malformed URL, but a real secret) is still masked whole."""
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else str(url)
+    # libpq and redis-py also take the password as a query parameter (?password=...).
+    text = _QUERY_PASSWORD.sub(r"\1***", text)
     match = _CREDENTIALS.match(text)
     if match is None:
         return text

@@ -230,10 +230,13 @@ class Relay:
                 since = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
                 if not self.pg:
                     since = since.replace(tzinfo=None)
+                # Requeued now: created_at is "queued for publishing since", so the guardian does not read a
+                # replay of old rows as a relay stuck for as long as they are old (the replayed events carry the
+                # replay time; their trace ids and the database are unchanged).
                 count = conn.execute(outbox.update()
                                      .where(o.relay_partition == self.partition, o.published_at.is_not(None),
                                             o.published_at >= since)
-                                     .values(published_at=None)).rowcount
+                                     .values(published_at=None, created_at=db_now(conn.dialect.name))).rowcount
             conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
                          .values(bus_epoch=epoch))
         self._epoch = epoch

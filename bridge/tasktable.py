@@ -13,9 +13,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import NoSuchTableError, OperationalError, ProgrammingError
+from sqlalchemy.exc import NoSuchTableError, OperationalError
 
-from bridge.exceptions import MappingMismatch
+from bridge.exceptions import DatabaseUnavailable, MappingMismatch
 from bridge.mapping import TaskTableMapping
 
 
@@ -94,13 +94,21 @@ def _qualified(name: str, schema: str | None) -> str:
 def _reflect(bind: Engine | Connection, metadata: sa.MetaData, name: str, schema: str | None) -> sa.Table:
     try:
         return sa.Table(name, metadata, schema=schema, autoload_with=bind)
-    except (NoSuchTableError, OperationalError, ProgrammingError):
-        # SQLite reports a schema that does not exist as "unknown database": the same mismatch for the user.
-        raise MappingMismatch(
+    except OperationalError as exc:
+        if "unknown database" not in str(exc.orig):  # a connection cut, a lock: not a missing table
+            reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+            raise DatabaseUnavailable(f"cannot read table {_qualified(name, schema)!r}: {reason}") from None
+        raise _missing(name, schema) from None  # SQLite: the schema (attached database) does not exist
+    except NoSuchTableError:
+        raise _missing(name, schema) from None
+
+
+def _missing(name: str, schema: str | None) -> MappingMismatch:
+    return MappingMismatch(
             f"table {_qualified(name, schema)!r} named by the mapping does not exist in the database; "
             "fix the [mapping] section of pollbridge.toml or create the table "
             "(pollbridge init --demo-schema creates the reference one)"
-        ) from None
+        )
 
 
 def _require_columns(table: sa.Table, wanted: Any, where: str) -> None:

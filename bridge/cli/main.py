@@ -392,8 +392,12 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
             flag_router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
                                      refresh_interval=settings.router.refresh_interval, registry=registry).start()
             router = flag_router
-        sched = EventScheduler(engine, tables, bus, settings.scheduler, router,
-                               visibility_timeout=settings.bus.visibility_timeout, registry=registry)
+        try:
+            sched = EventScheduler(engine, tables, bus, settings.scheduler, router,
+                                   visibility_timeout=settings.bus.visibility_timeout, registry=registry)
+        except Exception as exc:  # the bus is down at start: one line, exit 1 (a supervisor restarts us)
+            _bus_error(ctx, exc)
+            raise
         if flag_router is not None:
             flag_router.on_event_share_growth(sched.request_catch_up)
         click.echo(f"scheduler {sched.holder} on {mask_url(settings.database_url)} <- {mask_url(settings.bus_url)}, "

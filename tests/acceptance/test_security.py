@@ -268,11 +268,6 @@ def test_passwords_never_show_and_listeners_bind_to_this_host_only(pg_url: str, 
     assert no_database.proc is not None and no_database.proc.returncode == 1 and "***" in no_database.out
 
 
-@pytest.mark.xfail(strict=True, reason="bug: bridge/db.py mask_url() masks only a password in the userinfo; a "
-                                       "password given as a query parameter (libpq's ?password=, redis-py's "
-                                       "?password=) is printed as is, e.g. in the banner of `relay run` "
-                                       "(bridge/cli/main.py) and in every error that shows the URL; "
-                                       "bridge/bus/redis_streams.py _masked() already handles it for its repr")
 @pytest.mark.parametrize("which", ["database", "bus"])
 def test_a_password_given_as_a_query_parameter_is_masked_too(which: str, pg_url: str, redis_server: str,
                                                              tmp_path: Path) -> None:
@@ -286,12 +281,6 @@ def test_a_password_given_as_a_query_parameter_is_masked_too(which: str, pg_url:
     assert not _leaks(run.out), run.out[-1500:]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: `pollbridge scheduler run` with the bus down at start dies with a redis "
-                                       "ConnectionError traceback: event_scheduler/scheduler.py EventScheduler."
-                                       "__init__ calls self.bus.ensure_group() outside any retry, and "
-                                       "bridge/cli/main.py scheduler_run catches only PollbridgeError; `relay run` "
-                                       "in the same situation keeps retrying. Retry ensure_group in run() (or fail "
-                                       "with one line)")
 def test_the_scheduler_started_while_the_bus_is_down_waits_or_says_so_in_one_line(sqlite_url: str,
                                                                                   tmp_path: Path) -> None:
     exe = shutil.which("pollbridge")

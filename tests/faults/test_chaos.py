@@ -47,13 +47,6 @@ def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_p
     assert report.dead_letters.get("malformed", 0) >= 2, report.figure_line()  # at least the final round
 
 
-@pytest.mark.xfail(strict=True, reason="bug: after a bus loss the relay marks every retained outbox row unpublished "
-                                       "(bridge/relay.py check_bus_epoch) and the guardian measures the outbox age "
-                                       "from their created_at (bridge/guardian.py outbox_age), so the replay looks "
-                                       "like a relay stuck for as long as the rows are old and every selective or "
-                                       "cutover type is demoted (seen in the soak after each FLUSHALL). Measure the "
-                                       "age from when a row became unpublished again (e.g. the reset time kept in "
-                                       "pollbridge_relay_state)")
 def test_a_bus_loss_replay_is_not_a_stuck_relay_for_the_guardian(sqlite_url: str) -> None:
     from datetime import UTC, datetime, timedelta
 
