@@ -27,6 +27,7 @@ File layout::
     [gates]                # window, min_tasks, miss_budget, confidence, objective, tolerance
     [guardian]             # interval, max_outbox_age, max_lag, max_miss_rate, min_tasks, window
     [serve]                # host, port, signal_secret, max_clock_skew, sse_buffer, sse_keepalive
+    [preflight]            # rollback_rehearsal_days, max_backlog_age, max_lag, max_dead_letters, heartbeat_timeouts
     [mapping]              # see bridge.mapping; defaults to the reference legacy schema
     table = "tasks"
 """
@@ -255,6 +256,25 @@ class GuardianSettings:
 
 
 @dataclass(frozen=True)
+class PreflightSettings:
+    """What ``pollbridge preflight`` requires before a phase change (``[preflight]``)."""
+
+    rollback_rehearsal_days: float = 7.0  # a ``rollback`` of the type recorded within this many days
+    max_backlog_age: float = 10.0    # seconds the oldest unpublished outbox row may wait
+    max_lag: int = 1000              # bus entries not yet delivered to the scheduler's group, over all partitions
+    max_dead_letters: int = 0        # dead letters (bus and relay) tolerated
+    heartbeat_timeouts: float = 2.0  # a relay or scheduler is alive when it heartbeat within this many lease timeouts
+
+    def __post_init__(self) -> None:
+        for name in ("rollback_rehearsal_days", "max_backlog_age", "heartbeat_timeouts"):
+            _positive(getattr(self, name), f"preflight.{name}")
+        _positive(self.max_lag, "preflight.max_lag", integer=True)
+        value = self.max_dead_letters
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"preflight.max_dead_letters must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class ServeSettings:
     """``pollbridge serve`` (``[serve]``): the signal webhook, the SSE feeds, /tasks, /healthz, /metrics."""
 
@@ -293,6 +313,7 @@ class Settings:
     router: RouterSettings = field(default_factory=RouterSettings)
     gates: GateSettings = field(default_factory=GateSettings)
     guardian: GuardianSettings = field(default_factory=GuardianSettings)
+    preflight: PreflightSettings = field(default_factory=PreflightSettings)
     serve: ServeSettings = field(default_factory=ServeSettings)
     config_file: str | None = None
 
@@ -348,7 +369,7 @@ def load_settings(
 def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
     known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay", "scheduler", "router", "gates",
-             "guardian", "serve"}
+             "guardian", "preflight", "serve"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(map(repr, unknown))}; "
@@ -364,6 +385,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     router = _table(raw, "router", {f.name for f in fields(RouterSettings)})
     gates = _table(raw, "gates", {f.name for f in fields(GateSettings)})
     guardian = _table(raw, "guardian", {f.name for f in fields(GuardianSettings)})
+    preflight = _table(raw, "preflight", {f.name for f in fields(PreflightSettings)})
     serve = _table(raw, "serve", {f.name for f in fields(ServeSettings)})
     mapping_raw = raw.get("mapping", {})
     if not isinstance(mapping_raw, Mapping):
@@ -381,6 +403,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
             router=RouterSettings(**router),
             gates=GateSettings(**gates),
             guardian=GuardianSettings(**guardian),
+            preflight=PreflightSettings(**preflight),
             serve=ServeSettings(**serve),
             mapping=TaskTableMapping.from_dict(mapping_raw),
         )

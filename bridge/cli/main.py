@@ -609,6 +609,8 @@ def _register() -> None:
     cli.add_command(explain)
     cli.add_command(status)
     cli.add_command(metrics)
+    from bridge.cli.preflight import preflight
+    cli.add_command(preflight)
     from bridge.cli.serve import serve
     cli.add_command(serve)
 
