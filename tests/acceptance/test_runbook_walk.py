@@ -27,7 +27,10 @@ operator cannot remove with a pollbridge command (the flag table) is removed jus
 incident's ``Fix`` step. After each runbook and each incident every instance seeded so far must settle
 with nothing lost, dispatched twice or early (:func:`bridge.verify.verify`).
 
-Thresholds are small (``pollbridge.toml`` below) so the gates pass on real evidence within seconds.
+Thresholds are small (``pollbridge.toml`` below) so the gates pass on real evidence within seconds. The demo
+workers stand for the platform's: one whose connection is terminated while it reports a result leaves its task
+``running`` (as a real worker that dies would), so the configuration sets a ``running_timeout`` that fails such a
+task for a retry, as a platform's own timeout would (see ``docs/reliability.md`` and incident 6.3).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ purge_interval = 2.0
 lease_ttl = 2.0
 claim_interval = 0.5
 block = 0.2
+[scheduler.defaults]
+running_timeout = 15       # the platform's timeout for a task its worker stranded (see incident 6.3)
 [poller]
 interval = 2.0
 [workers]
