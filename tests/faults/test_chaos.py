@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chaos_support import KINDS, ChaosOptions, log_tails, new_workdir, run_chaos
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
 
 def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              record_property: Any) -> None:
     if shutil.which("redis-server") is None:  # the faults need a Redis of their own to flush and restart
         message = "redis-server is not installed (the chaos suite starts a private one to flush and restart)"
         if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
@@ -30,12 +32,16 @@ def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_p
     workdir = new_workdir(tmp_path)
 
     def say(line: str) -> None:
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's terminal is not shown: captured, `-rP` shows it
+            print(line, flush=True)
+            return
         with capsys.disabled():  # the seed and the faults are worth seeing as they happen
             print(line, flush=True)
 
     options = ChaosOptions(db_url=pg_url, workdir=workdir, seconds=seconds, seed=int(seed) if seed else None,
                            settle_timeout=90, say=say)
     report = run_chaos(options)
+    record_property("figure_line", report.figure_line())
     say(report.figure_line())
     say(report.latency_line())
     for note in report.notes:
