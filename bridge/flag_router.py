@@ -37,6 +37,11 @@ def event_share(flag: Flag | None) -> float:
     return 100.0 if flag.phase == "cutover" or flag.percent is None else flag.percent
 
 
+def shadow_share(flag: Flag | None) -> float:
+    """The percentage of a type's instances the event path records shadow decisions for."""
+    return 100.0 if flag is not None and flag.phase == "dual_write" else 0.0
+
+
 class FlagRouter:
     """Implements :class:`bridge.routing.EventRouter` from the stored flags."""
 
@@ -130,11 +135,13 @@ class FlagRouter:
 
     def on_event_share_growth(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` when the event path becomes responsible for more instances (a type entering
-        ``selective`` or ``cutover``, or a larger percentage): tasks that were ready already produce no new
-        event, so the scheduler should catch up from the database rather than leave them to the fallback."""
+        ``dual_write``, ``selective`` or ``cutover``, or a larger percentage): tasks that were ready already
+        produce no new event, so the scheduler should catch up from the database rather than leave them to
+        the fallback (or, in ``dual_write``, leave them without a shadow decision: a false miss)."""
 
         def listener(old: dict[str, Flag], new: dict[str, Flag]) -> None:
-            if any(event_share(flag) > event_share(old.get(name)) for name, flag in new.items()):
+            if any(event_share(flag) > event_share(old.get(name))
+                   or shadow_share(flag) > shadow_share(old.get(name)) for name, flag in new.items()):
                 callback()
 
         self.on_change(listener)
