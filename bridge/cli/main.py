@@ -42,6 +42,23 @@ class PollbridgeGroup(click.Group):
             return super().invoke(ctx)
         except PollbridgeError as exc:
             fail(str(exc), exc.exit_code)
+        except Exception as exc:
+            # An outage in the middle of a command (a connection terminated, Redis gone) is one line, exit 1;
+            # the text of the error never carries the password, and any URL in it is masked.
+            import redis
+            from sqlalchemy.exc import OperationalError
+
+            if not isinstance(exc, OperationalError | redis.RedisError):
+                raise
+            orig = getattr(exc, "orig", None) or exc
+            reason = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+            fail(f"{'database' if isinstance(exc, OperationalError) else 'bus'} error: {_mask_urls(reason)}", 1)
+
+
+def _mask_urls(text: str) -> str:
+    import re
+
+    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: mask_url(m.group(0)), text)
 
 
 def settings_of(ctx: click.Context) -> Settings:

@@ -703,12 +703,6 @@ def test_a_connection_lost_while_reading_the_mapping_is_not_a_missing_table(pg_u
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(strict=True, reason="bug: bridge/cli/main.py PollbridgeGroup.invoke turns only PollbridgeError into "
-                                       "one line; a database error after check_connection() (a connection cut by a "
-                                       "failover or pg_terminate_backend while the command runs) escapes as a "
-                                       "SQLAlchemy traceback. Seen in the chaos soak for `flags set`, `signal` and "
-                                       "`workers run`. Convert sqlalchemy.exc.OperationalError (and "
-                                       "redis.RedisError) into one masked line, exit 1")
 def test_a_connection_cut_while_a_command_runs_is_one_line(pg_url: str, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import psycopg
