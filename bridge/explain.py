@@ -370,7 +370,15 @@ def _task_key(tt: TaskTable, raw: str) -> Any:
     id, or past the column's range) is an unknown task."""
     from event_scheduler.signals import parse_task_id
 
-    return parse_task_id(tt, raw, UnknownTask)
+    try:
+        python_type = tt.col("id").type.python_type
+    except NotImplementedError:
+        return raw
+    try:
+        return parse_task_id(tt, raw, ValueError)
+    except ValueError:
+        raise UnknownTask(f"no task {raw!r} in {_table_name(tt)}: {tt.mapping.columns.id!r} holds "
+                          f"{python_type.__name__} values") from None
 
 
 def _table_name(tt: TaskTable) -> str:
