@@ -379,10 +379,11 @@ def _slow_client(url: str, path: str) -> socket.socket:
 
 
 def _read_all(sock: socket.socket, until: bytes, timeout: float = 60.0) -> bytes:
+    """Read until ``until`` and the end of the frame it starts (a chunk may end in the middle of a line)."""
     sock.settimeout(timeout)
     data = b""
     deadline = time.monotonic() + timeout
-    while until not in data and time.monotonic() < deadline:
+    while (until not in data or b"\n\n" not in data.split(until, 1)[1]) and time.monotonic() < deadline:
         chunk = sock.recv(1 << 16)
         if not chunk:
             break
