@@ -180,5 +180,7 @@ def db_ago(dialect_name: str, seconds: float) -> ColumnElement[Any]:
 def millis_between(dialect_name: str, start: Any, end: Any) -> ColumnElement[Any]:
     """``end - start`` in milliseconds, as a float expression."""
     if dialect_name == "postgresql":
-        return sa.extract("epoch", end - start) * 1000.0
+        # date_part is double precision; extract() is numeric since PostgreSQL 14, several times slower
+        # over a million rows.
+        return sa.func.date_part("epoch", end - start) * 1000.0
     return (sa.func.julianday(end) - sa.func.julianday(start)) * 86_400_000.0

@@ -180,15 +180,22 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
 
 
 def _histograms(conn: Connection, kinds: sa.FromClause) -> dict[str, dict[str, list[int]]]:
+    """Per type and path, the cumulative count at each edge of :data:`HISTOGRAM_EDGES_MS`, then the total:
+    every path in one scan of the classification."""
     c = kinds.c
+    paths = (("poller", c.poller_ms), ("events", c.events_ms), ("fallback", c.fallback_ms))
+    cols: list[sa.ColumnElement[Any]] = []
+    for _, column in paths:
+        cols.extend(sa.func.sum(sa.case((column <= edge, 1), else_=0)) for edge in HISTOGRAM_EDGES_MS)
+        cols.append(sa.func.count(column))
     out: dict[str, dict[str, list[int]]] = {}
-    for path, column in (("poller", c.poller_ms), ("events", c.events_ms), ("fallback", c.fallback_ms)):
-        cols = [sa.func.sum(sa.case((column <= edge, 1), else_=0)) for edge in HISTOGRAM_EDGES_MS]
-        q = sa.select(c.workflow_type, sa.func.count(column), *cols).where(column.is_not(None)) \
-            .group_by(c.workflow_type)
-        for row in conn.execute(q):
-            values = list(row)
-            out.setdefault(values[0] or "", {})[path] = [int(v or 0) for v in values[2:]] + [int(values[1])]
+    width = len(HISTOGRAM_EDGES_MS) + 1
+    for row in conn.execute(sa.select(c.workflow_type, *cols).group_by(c.workflow_type)):
+        values = [int(v or 0) for v in list(row)[1:]]
+        for i, (path, _) in enumerate(paths):
+            counts = values[i * width:(i + 1) * width]
+            if counts[-1]:
+                out.setdefault(row[0] or "", {})[path] = counts
     return out
 
 

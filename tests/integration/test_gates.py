@@ -472,3 +472,44 @@ def test_count_by_type_classifies_each_kind(engine: Engine, tables: TaskTable, s
     # The window bounds the dispatch evidence: an hour later none of it counts.
     later = count_by_type(engine, tables, until + timedelta(seconds=1), until + timedelta(hours=1), types=["dw"])
     assert later == {}
+
+
+def test_early_is_rederived_from_every_readiness_fact(engine: Engine, tables: TaskTable, store: FlagStore) -> None:
+    """Whatever the dispatcher recorded, the reconciler re-derives readiness from the task table: a dispatch
+    while one of two dependencies is still pending, a dispatch before the due time, and one before the
+    dependency's completion are each ``early``; a diamond dispatched after both of its dependencies is
+    ``matched``, and an early attempt's explanation says by how much it came first."""
+    store.change("sel", "selective", actor="op", reason="r", percent=50)
+    clock = db_clock(engine)
+    diamond = (TaskSpec("a"), TaskSpec("b"), TaskSpec("c", ("a", "b")))
+    _seed(engine, tables, "sel", ["unmet", "clean", "late-dep"], tasks=diamond)
+    _seed(engine, tables, "sel", ["due"], tasks=(TaskSpec("d", due_in=-1.0),))
+    t = tables.tasks
+    done = clock - timedelta(seconds=30)
+    with engine.begin() as conn:
+        conn.execute(t.update().where(t.c.task_key.in_(["a", "b"]))
+                     .values(status="completed", completed_at=_at(engine, done)))
+    _dispatch(engine, tables, ["unmet", "clean", "late-dep", "due"], "events")
+    with engine.begin() as conn:
+        # After the dispatch: 'b' of "unmet" turns out never to have completed, 'a' of "late-dep" completed
+        # a minute later than the dispatch, and the due time of "due" moves an hour ahead.
+        conn.execute(t.update().where(t.c.instance_id == "unmet", t.c.task_key == "b")
+                     .values(status="pending", completed_at=None))
+        conn.execute(t.update().where(t.c.instance_id == "late-dep", t.c.task_key == "a")
+                     .values(completed_at=_at(engine, clock + timedelta(minutes=1))))
+        conn.execute(t.update().where(t.c.instance_id == "due")
+                     .values(due_at=_at(engine, clock + timedelta(hours=1))))
+    _settle()
+    until = db_clock(engine)
+    counts = count_by_type(engine, tables, until - timedelta(hours=1), until, objective=5.0, tolerance=10.0,
+                           include_unacted=False)
+    assert counts["sel"].counts == {"matched": 1, "early": 3}
+    from bridge.report import build_report
+
+    report = build_report(engine, tables, until - timedelta(hours=1), until, settings=GATES, now=until)
+    early = {m.task_id: m.detail for m in report.mismatches if m.kind == "early"}
+    assert len(early) == 3
+    ahead = sorted(float(d.split("acted (events) ")[1].split(" ms")[0]) for d in early.values())
+    # "unmet": its readiness is unknown (the dependency never completed): a readiness of its own facts only.
+    assert 55_000 < ahead[1] < 61_000  # "late-dep": a minute before its dependency completed
+    assert 3_550_000 < ahead[2] < 3_601_000  # "due": an hour before its due time
