@@ -23,13 +23,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import Engine, Row
+from sqlalchemy.engine import Connection, Engine, Row
 
 from bridge.bus.abc import EventBus
 from bridge.capture import WakeMode
@@ -130,6 +131,9 @@ class Relay:
         self.pg = engine.dialect.name == "postgresql"
         self._epoch: str | None = None
         self._armed = False
+        # The loop's connection, kept while run() runs: a pool checkout per cycle would add the pool's
+        # pre-ping, a statement per idle second.
+        self._conn: Connection | None = None
         self._labels = {"partition": str(partition)}
         o = outbox.c
         batch = (sa.select(o.id)
@@ -153,7 +157,7 @@ class Relay:
     # --- one batch ----------------------------------------------------------------------------------
     def publish_batch(self) -> int:
         """Publish up to one batch; return the number of outbox rows handled (published or dead-lettered)."""
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             # Claim and mark in one statement; if publishing fails the transaction rolls back and
             # the rows are unpublished again.
             rows = conn.execute(self._claim).all()
@@ -204,7 +208,7 @@ class Relay:
     def probe(self) -> int:
         """Backlog and oldest age of this partition (the idle fallback probe; also feeds the gauges)."""
         o = outbox.c
-        with self.engine.connect() as conn:
+        with self._begin() as conn:
             count, oldest = conn.execute(
                 sa.select(sa.func.count(), sa.func.min(o.created_at))
                 .where(o.relay_partition == self.partition, o.published_at.is_(None))).one()
@@ -218,14 +222,14 @@ class Relay:
         """Detect bus loss; on loss queue the retained rows for republishing. True if a reset was handled."""
         epoch = self.bus.epoch()
         if self._epoch is None:
-            with self.engine.connect() as conn:
+            with self._begin() as conn:
                 self._epoch = conn.execute(sa.select(relay_state.c.bus_epoch)
                                            .where(relay_state.c.relay_partition == self.partition)).scalar()
         if self._epoch == epoch:
             return False
         reset = self._epoch is not None
         o = outbox.c
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             if reset:
                 since = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
                 if not self.pg:
@@ -268,7 +272,7 @@ class Relay:
         for _ in range(100):
             ids = sa.select(o.id).where(o.published_at.is_not(None), o.published_at < cutoff,
                                         o.relay_partition == self.partition).limit(self.settings.purge_batch)
-            with self.engine.begin() as conn:
+            with self._begin() as conn:
                 n = conn.execute(outbox.delete().where(o.id.in_(ids.scalar_subquery()))).rowcount
             total += n
             if n < self.settings.purge_batch:
@@ -279,10 +283,31 @@ class Relay:
     def _set_armed(self, armed: bool) -> None:
         if armed == self._armed:
             return
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
                          .values(armed=armed))
         self._armed = armed
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """A transaction on the loop's kept connection (a pooled one outside run()); a failure drops the
+        kept connection, so the next cycle reconnects."""
+        if self._conn is None:
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        try:
+            with self._conn.begin():
+                yield self._conn
+        except BaseException:
+            self._drop_connection()
+            raise
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -293,16 +318,21 @@ class Relay:
         next_heartbeat = next_epoch = next_purge = 0.0
         leader = False
         paused = False
+        handled = -1  # unknown before the first claim
         last_rows = time.monotonic()
         try:
             while not stop.is_set():
                 try:
+                    if self._conn is None:
+                        self._conn = self.engine.connect()
                     now = time.monotonic()
                     if now >= next_heartbeat or not leader:
                         was = leader
                         leader = self.leadership.try_acquire()
                         self.metrics.leader.labels(**self._labels).set(1 if leader else 0)
-                        next_heartbeat = now + self.settings.lease_timeout / 2
+                        # A lease row must be renewed well within its timeout; the advisory lock lives with
+                        # its connection, and checking that connection once per timeout is enough.
+                        next_heartbeat = now + self.settings.lease_timeout / (1 if self.pg else 2)
                         if leader and not was:
                             log.info("relay %s holds partition %d", self.leadership.holder, self.partition)
                             self._armed = True
@@ -319,7 +349,11 @@ class Relay:
                         continue
                     if now >= next_purge:
                         self.purge()
-                        self.probe()
+                        if handled:
+                            self.probe()
+                        else:  # the last claim found nothing: the backlog was empty, no need to ask again
+                            self.metrics.backlog.labels(**self._labels).set(0)
+                            self.metrics.oldest_age.labels(**self._labels).set(0.0)
                         next_purge = now + self.settings.purge_interval
                     handled = self.publish_batch()
                     backoff = 0.1
@@ -342,6 +376,7 @@ class Relay:
             waiter.close()
             with contextlib.suppress(Exception):  # best effort on the way out
                 self._set_armed(False)
+            self._drop_connection()
             self.leadership.release()
             self.metrics.leader.labels(**self._labels).set(0)
 

@@ -8,6 +8,11 @@ partition means one instance's events are handled by one consumer at a time, in 
 
 Times are the host's UTC clock (naive on SQLite): every process of one installation compares the
 same kind of timestamps, and a lease is many seconds long, so small clock skew only delays takeover.
+
+On PostgreSQL a round starts with one statement (:data:`ROUND_SQL`: heartbeat, renewal, and what a
+rebalance would need to know) and goes on to the full round only when something changed: a member
+joined or died, a partition is free, this process is above or short of its share with a partition to
+take. An idle, settled scheduler so costs one statement per round.
 """
 
 from __future__ import annotations
@@ -17,9 +22,27 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from bridge.schema import scheduler_leases, scheduler_members
+
+#: The settled round's one statement (PostgreSQL): heartbeat and renew, then the facts that decide
+#: whether a full round is needed. Every subquery reads the statement's snapshot (the renewal's own
+#: effect is not visible to them, which the checks below allow for).
+ROUND_SQL = sa.text("""
+WITH beat AS (
+    UPDATE pollbridge_scheduler_members SET heartbeat_at = :now WHERE holder = :holder RETURNING holder
+), renewed AS (
+    UPDATE pollbridge_scheduler_leases SET expires_at = :until WHERE holder = :holder RETURNING partition
+)
+SELECT (SELECT count(*) FROM beat) AS beat,
+       (SELECT count(*) FROM pollbridge_scheduler_members
+        WHERE holder <> :holder AND heartbeat_at >= :stale) AS others,
+       (SELECT count(*) FROM pollbridge_scheduler_members WHERE heartbeat_at < :stale) AS stale_members,
+       (SELECT count(*) FROM pollbridge_scheduler_leases
+        WHERE holder IS NULL OR expires_at IS NULL OR expires_at < :now) AS free,
+       ARRAY(SELECT partition FROM renewed ORDER BY partition) AS mine
+""")
 
 
 class PartitionLeases:
@@ -47,13 +70,18 @@ class PartitionLeases:
                 except sa.exc.IntegrityError:
                     pass  # another process created them
 
-    def refresh(self) -> tuple[set[int], set[int]]:
-        """Heartbeat, renew, rebalance. Returns ``(acquired, lost)`` since the last refresh."""
+    def refresh(self, conn: Connection | None = None) -> tuple[set[int], set[int]]:
+        """Heartbeat, renew, rebalance. Returns ``(acquired, lost)`` since the last refresh.
+
+        ``conn``: an autocommit PostgreSQL connection the caller keeps, for the settled round's one
+        statement (no pool checkout, no pre-ping); the full round takes a connection of its own."""
         now = self._now()
         until = now + timedelta(seconds=self.ttl)
         stale = now - timedelta(seconds=self.ttl)
-        lc, mc = scheduler_leases.c, scheduler_members.c
         before = set(self.owned)
+        if conn is not None and not self._sqlite and self._settled(conn, now, until, stale):
+            return set(), set()
+        lc, mc = scheduler_leases.c, scheduler_members.c
         with self.engine.begin() as conn:
             updated = conn.execute(scheduler_members.update().where(mc.holder == self.holder)
                                    .values(heartbeat_at=now)).rowcount
@@ -81,6 +109,15 @@ class PartitionLeases:
                         mine.append(p)
         self.owned = set(mine)
         return self.owned - before, before - self.owned
+
+    def _settled(self, conn: Connection, now: datetime, until: datetime, stale: datetime) -> bool:
+        """The one-statement round: True when it renewed everything and nothing asks for a rebalance."""
+        row = conn.execute(ROUND_SQL, {"holder": self.holder, "now": now, "until": until, "stale": stale}).one()
+        mine = {int(p) for p in row.mine}
+        share = math.ceil(self.partitions / (int(row.others) + 1))
+        # Short of the share with nothing free is settled too: the members above it release on their round.
+        return (row.beat == 1 and row.stale_members == 0 and mine == self.owned and len(mine) <= share
+                and (len(mine) == share or row.free == 0))
 
     def release_all(self) -> None:
         lc, mc = scheduler_leases.c, scheduler_members.c

@@ -353,7 +353,7 @@ class EventScheduler:
     def refresh_leases(self, background: bool = False) -> None:
         """Renew and rebalance the leases; catch up on acquired partitions (on the catch-up thread when
         ``background``, else before returning)."""
-        acquired, lost = self.leases.refresh()
+        acquired, lost = self.leases.refresh(self._conn)
         self.metrics.partitions_owned.set(len(self.leases.owned))
         if lost:
             log.info("scheduler %s released partitions %s", self.holder, sorted(lost))
