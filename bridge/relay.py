@@ -263,7 +263,8 @@ class Relay:
         return paused
 
     def purge(self) -> int:
-        """Delete published rows older than the retention window, in small batches."""
+        """Delete published rows older than the retention window, in small batches, and trim the bus to the
+        same window."""
         o = outbox.c
         cutoff = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
         if not self.pg:
@@ -278,6 +279,9 @@ class Relay:
             if n < self.settings.purge_batch:
                 break
         self.metrics.purged.inc(total)
+        # The bus keeps what the outbox keeps: entries past the retention window that every consumer group
+        # has read and acknowledged (the trim keeps anything undelivered or pending, whatever its age).
+        self.metrics.bus_trimmed.inc(self.bus.trim(self.settings.retention))
         return total
 
     def _set_armed(self, armed: bool) -> None:

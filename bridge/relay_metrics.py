@@ -30,6 +30,8 @@ class RelayMetrics:
                                     registry=registry)
         self.purged = Counter("pollbridge_outbox_purged", "Published rows purged after retention",
                               registry=registry)
+        self.bus_trimmed = Counter("pollbridge_bus_trimmed", "Bus entries trimmed after retention (read and "
+                                   "acknowledged by every group)", registry=registry)
         self.wakeups = Counter("pollbridge_relay_wakeups", "Relay wake-ups by cause", ["cause"], registry=registry)
         self.errors = Counter("pollbridge_relay_errors", "Relay cycles that failed (then retried with backoff)",
                               ["kind"], registry=registry)
