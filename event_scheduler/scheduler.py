@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 RECENT_EVENTS = 50_000  # event ids remembered to skip duplicates cheaply (the CAS makes them harmless anyway)
 SCOPED_CHANGES = ("insert", "status", "due", "signal")  # the task-row changes the capture trigger records
 CATCH_UP_CHUNK = 100  # instances per catch-up evaluation
+DRAIN_SECONDS = 1.0  # at most this long in one poll_once, so the loop renews its leases well within their ttl
 CATCH_UP_PAUSE = 0.002  # seconds the catch-up thread yields between chunks, so the loop keeps its pace
 
 
@@ -92,10 +93,13 @@ class EventScheduler:
     # --- handling ------------------------------------------------------------------------------------
     def handle(self, deliveries: Sequence[Delivery]) -> None:
         """Handle one batch; acknowledges what was handled (or dead-lettered)."""
+        self.bus.ack(self.settings.group, self._handle(deliveries))
+
+    def _handle(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Handle one batch; returns what to acknowledge (handled, duplicate, skipped or dead-lettered)."""
         if not deliveries:
-            return
+            return []
         started = time.perf_counter()
-        group = self.settings.group
         done: list[Delivery] = []
         by_instance: dict[str, list[Delivery]] = {}
         traces: dict[str, str | None] = {}
@@ -141,7 +145,6 @@ class EventScheduler:
                     except Exception as inner:  # left pending: redelivered, then dead-lettered
                         log.warning("instance %s failed: %s: %s", instance_id, type(inner).__name__, inner)
         if done:
-            self.bus.ack(group, done)
             consumed: dict[str, int] = defaultdict(int)
             for d in done:
                 if d.event is not None:
@@ -150,6 +153,7 @@ class EventScheduler:
             for workflow_type, n in consumed.items():
                 self.metrics.consumed.labels(workflow_type=workflow_type).inc(n)
         self.metrics.decision_latency.observe(time.perf_counter() - started)
+        return done
 
     def _scope(self, event: CloudEvent) -> Scope | None:
         """What of its instance an event can have changed (None: anything, evaluate the whole instance).
@@ -332,14 +336,27 @@ class EventScheduler:
 
     # --- the loop ------------------------------------------------------------------------------------
     def poll_once(self, block: float | None = None) -> int:
-        """Read one batch from the owned partitions and handle it (for tests and ``run``)."""
+        """Read from the owned partitions and handle what comes, until a read finds nothing within
+        ``block`` or :data:`DRAIN_SECONDS` have passed (for tests and ``run``); returns how many entries
+        were handled. Each batch's acknowledgements go with the next read (one round trip fewer); all
+        are made before it returns."""
         owned = sorted(self.leases.owned)
         if not owned:
             return 0
-        deliveries = self.bus.read(self.settings.group, self.holder, owned, self.settings.batch_size,
-                                   self.settings.block if block is None else block)
-        self.handle(deliveries)
-        return len(deliveries)
+        group, size = self.settings.group, self.settings.batch_size
+        wait = self.settings.block if block is None else block
+        deliveries = self.bus.read(group, self.holder, owned, size, wait)
+        deadline = time.monotonic() + DRAIN_SECONDS
+        handled = 0
+        while deliveries:
+            handled += len(deliveries)
+            done = self._handle(deliveries)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:  # back to the loop: leases, stale entries, lag
+                self.bus.ack(group, done)
+                break
+            deliveries = self.bus.ack_and_read(group, done, self.holder, owned, size, min(wait, remaining))
+        return handled
 
     def claim_stale(self) -> int:
         owned = sorted(self.leases.owned)

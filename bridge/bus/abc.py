@@ -114,6 +114,14 @@ class EventBus(ABC):
     @abstractmethod
     def ack(self, group: str, deliveries: Sequence[Delivery]) -> None: ...
 
+    def ack_and_read(self, group: str, acks: Sequence[Delivery], consumer: str, partitions: Sequence[int],
+                     count: int, block: float) -> list[Delivery]:
+        """:meth:`ack` then :meth:`read`, as one call: a consumer that drains its partitions acknowledges a
+        batch with the request for the next one (one round trip fewer per batch on Redis). The
+        acknowledgements are made before the read waits, whatever it returns."""
+        self.ack(group, acks)
+        return self.read(group, consumer, partitions, count, block)
+
     @abstractmethod
     def claim_stale(self, group: str, consumer: str, partitions: Sequence[int], min_idle: float,
                     count: int) -> list[Delivery]: ...

@@ -178,15 +178,22 @@ class RedisStreamsBus(EventBus):
     # ------------------------------------------------------------------ reading
 
     def read(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float) -> list[Delivery]:
+        return self.ack_and_read(group, (), consumer, partitions, count, block)
+
+    def ack_and_read(self, group: str, acks: Sequence[Delivery], consumer: str, partitions: Sequence[int],
+                     count: int, block: float) -> list[Delivery]:
+        """The ``XACK``s ride in the pipeline of the first non-blocking ``XREADGROUP``s."""
         parts = self._checked(partitions)
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         name = self.keys.group(group)
         if not parts:
+            self.ack(group, acks)
             return []
         deadline = time.monotonic() + max(block, 0.0)
         while True:
-            got = self._read_available(name, consumer, parts, count)
+            got = self._read_available(name, consumer, parts, count, acks)
+            acks = ()
             if got:
                 return got
             remaining = deadline - time.monotonic()
@@ -227,9 +234,12 @@ class RedisStreamsBus(EventBus):
                     out.append(_delivery(entry_id, fields, partition))
         return out
 
-    def _read_available(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
-        """Everything undelivered up to ``count``, without blocking; recreates vanished groups once."""
+    def _read_available(self, group: str, consumer: str, parts: list[int], count: int,
+                        acks: Sequence[Delivery] = ()) -> list[Delivery]:
+        """Everything undelivered up to ``count``, without blocking; recreates vanished groups once. ``acks``
+        are acknowledged in the first pipeline, before its reads."""
         out: list[Delivery] = []
+        ack_commands = self._ack_commands(acks)
         remaining = count
         start = self._rotation % len(parts)
         self._rotation += 1
@@ -240,9 +250,14 @@ class RedisStreamsBus(EventBus):
             base, extra = divmod(remaining, len(asked))
             shares = [base + (1 if i < extra else 0) for i in range(len(asked))]
             pipe = self._client.pipeline(transaction=False)
+            for stream, ids in ack_commands:
+                pipe.xack(stream, group, *ids)
             for p, share in zip(asked, shares, strict=True):
                 pipe.xreadgroup(group, consumer, {self.keys.stream(p): ">"}, count=share)
             results = pipe.execute(raise_on_error=False)
+            self._check_acks(results[:len(ack_commands)])
+            results = results[len(ack_commands):]
+            ack_commands = []
             again: list[int] = []
             vanished: list[int] = []
             for p, share, result in zip(asked, shares, results, strict=True):
@@ -319,16 +334,23 @@ class RedisStreamsBus(EventBus):
     # ------------------------------------------------------------------ acknowledging and redelivery
 
     def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
-        if not deliveries:
+        commands = self._ack_commands(deliveries)
+        if not commands:
             return
-        name = self.keys.group(group)
+        pipe = self._client.pipeline(transaction=False)
+        for stream, ids in commands:
+            pipe.xack(stream, self.keys.group(group), *ids)
+        self._check_acks(pipe.execute(raise_on_error=False))
+
+    def _ack_commands(self, deliveries: Sequence[Delivery]) -> list[tuple[str, list[str]]]:
         by_partition: dict[int, list[str]] = {}
         for d in deliveries:
             by_partition.setdefault(d.partition, []).append(d.entry_id)
-        pipe = self._client.pipeline(transaction=False)
-        for p, ids in by_partition.items():
-            pipe.xack(self.keys.stream(p), name, *ids)
-        for result in pipe.execute(raise_on_error=False):
+        return [(self.keys.stream(p), ids) for p, ids in by_partition.items()]
+
+    @staticmethod
+    def _check_acks(results: Sequence[Any]) -> None:
+        for result in results:
             # Acknowledging in a group that vanished with the data is as harmless as acking twice.
             if isinstance(result, ResponseError) and not _is_nogroup(result):
                 raise result

@@ -312,6 +312,22 @@ def test_ack_removes_from_pending_and_acking_twice_is_harmless(bus: EventBus) ->
     assert bus.pending_count("other-group") == 0
 
 
+def test_ack_and_read_acknowledges_before_reading_the_next_batch(bus: EventBus) -> None:
+    """The acknowledgements are made whatever the read returns (nothing new, or the next batch), and the
+    read returns only what was never delivered."""
+    bus.ensure_group("g")
+    bus.publish([_event(f"inst-{i}", i) for i in range(4)])
+    first = _read_n(bus, "g", "c", 4)
+    assert bus.ack_and_read("g", first[:3], "c", ALL, 10, 0.0) == []  # nothing new ...
+    assert bus.pending_count("g") == 1  # ... and three acknowledged
+    bus.publish([_event("inst-9", 9)])
+    nxt = bus.ack_and_read("g", first[3:], "c", ALL, 10, 0.0)
+    assert [d.event.data["n"] for d in nxt if d.event is not None] == [9]
+    assert bus.pending_count("g") == 1  # the new one, delivered and not yet acknowledged
+    assert bus.ack_and_read("g", nxt, "c", ALL, 10, 0.0) == []
+    assert bus.pending_count("g") == 0
+
+
 @pytest.mark.parametrize("how", ["publish", "raw"])
 def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twin: Callable[[], EventBus],
                                                               how: str) -> None:
