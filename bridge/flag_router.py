@@ -1,9 +1,13 @@
 """The flag router: every running process's view of the flags, refreshed within one poll interval.
 
-A :class:`FlagRouter` keeps the flags in memory and re-reads the store every ``refresh_interval``
-seconds from a background thread (or when a caller asks, :meth:`refresh`), so a phase change takes
-effect in every relay, scheduler and poller without a restart, and the hot paths (asked per ready
-task) never touch the database.
+A :class:`FlagRouter` keeps the flags in memory and re-reads the store from a background thread (or
+when a caller asks, :meth:`refresh`), so a phase change takes effect in every relay, scheduler and
+poller without a restart, and the hot paths (asked per ready task) never touch the database. It
+re-reads every ``refresh_interval`` seconds; on PostgreSQL it LISTENs instead for the notification
+every flag change sends at commit (:data:`bridge.flags.FLAGS_CHANNEL`) and re-reads at once, with a
+re-read every ``fallback_interval`` seconds for a notification that never came (a flag row written
+by hand, a listener that reconnected), and every ``refresh_interval`` while the store is unreadable.
+An idle process so reads the flags once per fallback interval, not once a second.
 
 When the store cannot be read, the two paths fail safe in opposite directions, so a type is never
 left without a dispatcher: the poller's view (:meth:`poller_flags`) treats every type as ``polling``
@@ -22,8 +26,9 @@ from datetime import datetime
 from prometheus_client import CollectorRegistry, Gauge
 
 from bridge.exceptions import FlagStoreUnavailable
-from bridge.flags import FlagStore
+from bridge.flags import FLAGS_CHANNEL, FlagStore
 from bridge.routing import PHASES, EventRoute, Flag, poller_should_handle
+from bridge.wakeup import ListenWaiter, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +50,11 @@ def shadow_share(flag: Flag | None) -> float:
 class FlagRouter:
     """Implements :class:`bridge.routing.EventRouter` from the stored flags."""
 
-    def __init__(self, store: FlagStore, *, refresh_interval: float = 1.0,
+    def __init__(self, store: FlagStore, *, refresh_interval: float = 1.0, fallback_interval: float = 30.0,
                  registry: CollectorRegistry | None = None) -> None:
         self.store = store
         self.refresh_interval = refresh_interval
+        self.fallback_interval = max(fallback_interval, refresh_interval)
         self._lock = threading.Lock()
         self._flags: dict[str, Flag] = {}
         self._healthy = False
@@ -149,17 +155,40 @@ class FlagRouter:
     # --- the refresh thread --------------------------------------------------------------------------
     def start(self) -> FlagRouter:
         """Read once now, then refresh in a daemon thread until :meth:`stop`."""
-        self.refresh()
-        self._thread = threading.Thread(target=self._loop, name="pollbridge-flag-router", daemon=True)
+        waiter = self._listener()
+        self.refresh()  # after LISTEN: a change committed in between is notified, not missed
+        self._thread = threading.Thread(target=self._loop, args=(waiter,), name="pollbridge-flag-router",
+                                        daemon=True)
         self._thread.start()
         return self
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.refresh_interval):
-            try:
-                self.refresh()
-            except Exception:  # never let the thread die: the paths would stop following the flags
-                log.exception("flag refresh failed")
+    def _listener(self) -> Waiter:
+        engine = self.store.engine
+        if engine.dialect.name != "postgresql":
+            return Waiter(self._stop)
+        waiter = ListenWaiter(engine, self._stop, FLAGS_CHANNEL)
+        try:
+            waiter.ensure_listening()
+        except Exception as exc:  # the store is down: the loop reads every refresh_interval until it is back
+            log.warning("flag router cannot LISTEN yet (%s); re-reading every %g s", type(exc).__name__,
+                        self.refresh_interval)
+        return waiter
+
+    def _loop(self, waiter: Waiter) -> None:
+        listening = isinstance(waiter, ListenWaiter)
+        try:
+            while not self._stop.is_set():
+                # Notified changes are read at once; without a notification, a re-read per fallback interval
+                # (per refresh interval while the store is unreadable or nothing can be listened for).
+                waiter.wait(self.fallback_interval if listening and self._healthy else self.refresh_interval)
+                if self._stop.is_set():
+                    break
+                try:
+                    self.refresh()
+                except Exception:  # never let the thread die: the paths would stop following the flags
+                    log.exception("flag refresh failed")
+        finally:
+            waiter.close()
 
     def stop(self) -> None:
         self._stop.set()

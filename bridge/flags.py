@@ -30,6 +30,8 @@ TYPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}")
 #: Per-type overrides a flag may carry (``flags set --threshold NAME=VALUE``): gate and guardian settings.
 THRESHOLDS = ("min_tasks", "miss_budget", "objective", "tolerance", "max_outbox_age", "max_lag", "max_miss_rate")
 ACTIONS = ("set", "rollback", "guardian")
+#: PostgreSQL: every flag change NOTIFYs this channel (payload: the workflow type) when it commits.
+FLAGS_CHANNEL = "pollbridge_flags"
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,9 @@ class FlagStore:
                 conn.execute(flags.insert().values(workflow_type=workflow_type, **values))
             else:
                 conn.execute(flags.update().where(flags.c.workflow_type == workflow_type).values(**values))
+            if conn.dialect.name == "postgresql":
+                # Delivered at commit to every running router (bridge.flag_router), which re-reads at once.
+                conn.execute(sa.select(sa.func.pg_notify(FLAGS_CHANNEL, workflow_type)))
             inserted = conn.execute(
                 flag_audit.insert().values(
                     workflow_type=workflow_type, action=action, actor=actor, reason=reason,

@@ -89,7 +89,8 @@ class Stack:
         tables: TaskTable = reflect_tables(main, s.mapping)
         self.tables = tables
         self.router = FlagRouter(FlagStore(main, default_grace=s.router.grace),
-                                 refresh_interval=s.router.refresh_interval, registry=self.registry).start()
+                                 refresh_interval=s.router.refresh_interval,
+                                 fallback_interval=s.router.fallback_interval, registry=self.registry).start()
         router: EventRouter = (FixedRouter(self.options.scheduler_phase)  # type: ignore[arg-type]
                                if self.options.scheduler_phase else self.router)
 

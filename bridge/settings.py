@@ -23,7 +23,7 @@ File layout::
     min_duration = 0.01    # seconds a demo task "runs"
     max_duration = 0.05
     failure_rate = 0.0
-    [router]               # refresh_interval = 1.0, grace = 5.0, sweep_interval = 300.0
+    [router]               # refresh_interval = 1.0, fallback_interval = 30.0, grace = 5.0, sweep_interval = 300.0
     [gates]                # window, min_tasks, miss_budget, confidence, objective, tolerance
     [guardian]             # interval, max_outbox_age, max_lag, max_miss_rate, min_tasks, window
     [serve]                # host, port, signal_secret, max_clock_skew, sse_buffer, sse_keepalive
@@ -200,8 +200,12 @@ class SchedulerSettings:
 class RouterSettings:
     """How running processes follow the flags (``[router]``)."""
 
-    #: Seconds between reads of the flag store: a phase change reaches every process within this.
+    #: Seconds between reads of the flag store: a phase change reaches every process within this. On
+    #: PostgreSQL a change is notified and read at once; this is then the pace only while the store is
+    #: unreadable.
     refresh_interval: float = 1.0
+    #: PostgreSQL: seconds between re-reads when no change was notified (a flag row written by hand).
+    fallback_interval: float = 30.0
     #: In ``selective``, the poller dispatches a task of a canary instance only once it has been ready this
     #: long (a few seconds above the event path's p99), recording path ``fallback``.
     grace: float = 5.0
@@ -209,7 +213,7 @@ class RouterSettings:
     sweep_interval: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("refresh_interval", "grace", "sweep_interval"):
+        for name in ("refresh_interval", "fallback_interval", "grace", "sweep_interval"):
             _positive(getattr(self, name), f"router.{name}")
 
 

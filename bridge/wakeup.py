@@ -34,16 +34,20 @@ class Waiter:
 
 
 class ListenWaiter(Waiter):
-    def __init__(self, engine: Engine, stop: threading.Event) -> None:
+    """Waits for a notification on ``channel`` (the outbox's by default) or the timeout."""
+
+    def __init__(self, engine: Engine, stop: threading.Event, channel: str = NOTIFY_CHANNEL) -> None:
         super().__init__(stop)
         self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self.channel = channel
 
     def ensure_listening(self) -> None:
-        """Connect and LISTEN (before the relay arms and re-probes, so no notification is missed)."""
+        """Connect and LISTEN (before the caller re-reads what the notifications are about, so none is
+        missed in between)."""
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10)
-            self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self._conn.execute(f"LISTEN {self.channel}")
 
     def wait(self, timeout: float) -> bool:
         try:
@@ -63,7 +67,8 @@ class ListenWaiter(Waiter):
                 remaining -= step
             return False
         except psycopg.Error as exc:
-            log.warning("relay listener lost its connection (%s); falling back to the timer", type(exc).__name__)
+            log.warning("listener on %s lost its connection (%s); falling back to the timer", self.channel,
+                        type(exc).__name__)
             self.close()
             self.stop.wait(min(timeout, 1.0))
             return False

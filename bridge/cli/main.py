@@ -304,7 +304,8 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
         if metrics_port is not None:
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
         router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
-                            refresh_interval=settings.router.refresh_interval, registry=registry).start()
+                            refresh_interval=settings.router.refresh_interval,
+                            fallback_interval=settings.router.fallback_interval, registry=registry).start()
         poller_ = LegacyPoller(engine, tables, batch_size=settings.poller.batch_size, registry=registry,
                                router=router)
         every = interval or settings.poller.interval
@@ -407,7 +408,9 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
             router = FixedRouter(fixed)  # type: ignore[arg-type]
         else:
             flag_router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
-                                     refresh_interval=settings.router.refresh_interval, registry=registry).start()
+                                     refresh_interval=settings.router.refresh_interval,
+                                     fallback_interval=settings.router.fallback_interval,
+                                     registry=registry).start()
             router = flag_router
         try:
             sched = EventScheduler(engine, tables, bus, settings.scheduler, router,

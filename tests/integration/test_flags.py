@@ -416,6 +416,25 @@ def test_refresh_thread_follows_changes(store: FlagStore, router: FlagRouter) ->
     assert router._thread is None
 
 
+def test_a_change_is_notified_to_every_router_at_once(engine: Engine, store: FlagStore) -> None:
+    """PostgreSQL: a change commits with a NOTIFY and every started router re-reads at once. With both
+    intervals an hour long, only the notification can explain a router that sees the change."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has no LISTEN/NOTIFY: its routers re-read every refresh_interval")
+    routers = [FlagRouter(store, refresh_interval=3600, fallback_interval=3600, registry=CollectorRegistry()).start()
+               for _ in range(2)]
+    try:
+        store.change("orders", "dual_write", actor="a", reason="r")
+        for r in routers:
+            wait_for(lambda r=r: r.flag("orders").phase == "dual_write", 5, what="the notified re-read")
+        store.change("orders", "polling", actor="a", reason="back", action="rollback")
+        for r in routers:
+            wait_for(lambda r=r: r.flag("orders").phase == "polling", 5, what="the notified rollback")
+    finally:
+        for r in routers:
+            r.stop()
+
+
 def test_flag_timestamps_are_database_time(engine: Engine, store: FlagStore) -> None:
     """updated_at and changed_at come from the database clock (comparable with the dispatch log)."""
     before = db_clock(engine)
