@@ -6,9 +6,13 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
+import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from bridge.bus import open_bus
 from bridge.bus.abc import EventBus
 from bridge.tasktable import TaskTable
 from bridge.verify import Verdict, verify
@@ -25,6 +29,70 @@ class Env:
     kind: str
     namespace: str | None = None
     url: str = ""
+
+
+@dataclass
+class StackContext:
+    """What outlives one state-machine example: the database, how to open a bus on it, and an example counter.
+
+    Subclasses set ``partitions`` (of the buses :meth:`open_bus` opens) and ``reset_tables`` (emptied by
+    :meth:`reset` in this order, after the task table and the instances).
+    """
+
+    env: Env
+    redis_url: str | None
+    examples: int = 0
+    partitions: ClassVar[int] = 4
+    reset_tables: ClassVar[tuple[sa.Table, ...]] = ()
+
+    def open_bus(self) -> EventBus:
+        if self.redis_url is None:
+            return open_bus("embedded", engine=self.env.engine, partitions=self.partitions)
+        return open_bus(self.redis_url, partitions=self.partitions, namespace=self.env.namespace or "pollbridge")
+
+    def reset(self) -> None:
+        """An empty task table, ``reset_tables`` and Redis namespace (on Redis) for the next example."""
+        tt = self.env.tables
+        with self.env.engine.begin() as conn:
+            conn.execute(tt.tasks.delete())
+            if tt.instances is not None:
+                conn.execute(tt.instances.delete())
+            for table in self.reset_tables:
+                conn.execute(table.delete())
+        if self.redis_url is not None:
+            import redis
+
+            client = redis.Redis.from_url(self.redis_url)
+            try:
+                keys = list(client.scan_iter(match=f"{self.env.namespace}:*", count=1000))
+                if keys:
+                    client.delete(*keys)
+            finally:
+                client.close()
+
+
+#: ``@pytest.fixture(params=SHARED_DB_PARAMS)`` on an ``engine`` override returning ``shared_engine(request)``
+#: gives a module one database per dialect (the ``sqlite_shared``/``pg_shared`` fixtures of tests/integration),
+#: emptied before each test instead of cloned for it (cloning one per test costs seconds).
+SHARED_DB_PARAMS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+#: What ``shared_engine`` empties, the outbox last: deleting tasks fires the capture trigger.
+SHARED_DB_RESET = ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_decisions",
+                   "pollbridge_flags", "pollbridge_flag_audit", "pollbridge_outbox")
+
+
+def reset_shared(engine: Engine) -> Engine:
+    """Empty the tables the shared-database tests write (and undo a rename a failed test may have left)."""
+    with engine.begin() as conn:
+        if "pollbridge_flags_away" in sa.inspect(conn).get_table_names():
+            conn.execute(sa.text("ALTER TABLE pollbridge_flags_away RENAME TO pollbridge_flags"))
+        for name in SHARED_DB_RESET:
+            conn.execute(sa.text(f"DELETE FROM {name}"))
+    return engine
+
+
+def shared_engine(request: pytest.FixtureRequest) -> Engine:
+    """The module's shared database for the dialect in ``request.param`` (see ``SHARED_DB_PARAMS``), emptied."""
+    return reset_shared(request.getfixturevalue(f"{request.param.replace('postgresql', 'pg')}_shared"))
 
 
 #: Runs the installed ``pollbridge`` script: ``run(*args, env=..., timeout=..., cwd=..., input=...)``.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import sqlalchemy as sa
@@ -36,9 +36,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from prometheus_client import CollectorRegistry
-from support import Env
+from support import Env, StackContext
 
-from bridge.bus import EventBus, open_bus
+from bridge.bus import EventBus
 from bridge.exceptions import FlagStoreUnavailable
 from bridge.flag_router import FlagRouter
 from bridge.flags import FlagStore
@@ -96,35 +96,9 @@ class FlakyStore(FlagStore):
         return super().all()
 
 
-@dataclass
-class Context:
-    env: Env
-    redis_url: str | None
-    examples: int = 0
-
-    def open_bus(self) -> EventBus:
-        if self.redis_url is None:
-            return open_bus("embedded", engine=self.env.engine, partitions=2)
-        return open_bus(self.redis_url, partitions=2, namespace=self.env.namespace or "pollbridge")
-
-    def reset(self) -> None:
-        tt = self.env.tables
-        with self.env.engine.begin() as conn:
-            conn.execute(tt.tasks.delete())
-            if tt.instances is not None:
-                conn.execute(tt.instances.delete())
-            for table in RESET:
-                conn.execute(table.delete())
-        if self.redis_url is not None:
-            import redis
-
-            client = redis.Redis.from_url(self.redis_url)
-            try:
-                keys = list(client.scan_iter(match=f"{self.env.namespace}:*", count=1000))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+class Context(StackContext):
+    partitions = 2
+    reset_tables = RESET
 
 
 @st.composite

@@ -9,25 +9,21 @@ table, so the reconciler re-derives readiness from real rows.
 from __future__ import annotations
 
 import json
-import os
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from support import SHARED_DB_PARAMS, shared_engine
 
-from bridge import install
 from bridge.capture import install_capture, remove_capture
-from bridge.db import create_engine, db_now
+from bridge.db import db_now
 from bridge.dispatch import Path, ReadyTask, dispatch_many
 from bridge.exceptions import FlagError, GateRefused
 from bridge.flags import FlagStore
-from bridge.mapping import TaskTableMapping
 from bridge.promotion import GateResult, db_clock, evaluate_gate, rollback, set_phase
 from bridge.readiness import ready_predicate, ready_since
 from bridge.reconcile import count_by_type
@@ -43,51 +39,10 @@ GATES = GateSettings()  # the defaults (min_tasks 1000): the flag's thresholds m
 CRITERIA = ["min_tasks", "no_early", "no_duplicate", "miss_rate"]
 
 
-# --- one database per module and dialect, emptied before each test (cloning one per test costs seconds) ---
-
-PG_ADMIN_URL = os.environ.get("POLLBRIDGE_TEST_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
-RESET = ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_decisions", "pollbridge_flags",
-         "pollbridge_flag_audit", "pollbridge_outbox")
-
-
-def _pg_admin(statement: str) -> None:
-    with psycopg.connect(PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
-        conn.execute(statement.encode())
-
-
-@pytest.fixture(scope="module")
-def pg_shared(pg_template: str) -> Iterator[Engine]:
-    """A PostgreSQL database cloned once for this module from the session's template."""
-    name = f"pb_{__name__.rpartition('.')[2][5:]}_{uuid.uuid4().hex[:8]}"
-    _pg_admin(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-    engine = create_engine(f"{PG_ADMIN_URL.rpartition('/')[0]}/{name}")
-    yield engine
-    engine.dispose()
-    _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture(scope="module")
-def sqlite_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    engine = create_engine(f"sqlite:///{tmp_path_factory.mktemp('db') / 'pollbridge.db'}")
-    install.init(engine, demo_schema=True, mapping=TaskTableMapping())
-    yield engine
-    engine.dispose()
-
-
-def _reset(engine: Engine) -> Engine:
-    """Empty the tables these tests write (and undo a rename a failed test may have left)."""
-    with engine.begin() as conn:
-        if "pollbridge_flags_away" in sa.inspect(conn).get_table_names():
-            conn.execute(sa.text("ALTER TABLE pollbridge_flags_away RENAME TO pollbridge_flags"))
-        for name in RESET:  # the outbox last: deleting tasks fires the capture trigger
-            conn.execute(sa.text(f"DELETE FROM {name}"))
-    return engine
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+@pytest.fixture(params=SHARED_DB_PARAMS)
 def engine(request: pytest.FixtureRequest) -> Engine:
-    """Overrides the per-test database: the module's shared one for the dialect, emptied."""
-    return _reset(request.getfixturevalue(f"{request.param.replace('postgresql', 'pg')}_shared"))
+    """Overrides the per-test database: the module's shared one for the dialect, emptied (``shared_engine``)."""
+    return shared_engine(request)
 
 
 # --- planting evidence ----------------------------------------------------------------------------

@@ -4,76 +4,30 @@ left to the event path for the types it owns. SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import wait_for
+from support import SHARED_DB_PARAMS, shared_engine, wait_for
 
-from bridge import install
-from bridge.db import create_engine
 from bridge.flag_router import FlagRouter
 from bridge.flags import FlagStore
-from bridge.mapping import TaskTableMapping
 from bridge.routing import bucket, percent_threshold
 from bridge.schema import dispatch_log
 from bridge.tasktable import TaskTable
 from bridge.workload import TaskSpec, WorkflowSpec, seed
 from legacy_poller.poller import LegacyPoller
 
-# --- one database per module and dialect, emptied before each test (cloning one per test costs seconds) ---
 
-PG_ADMIN_URL = os.environ.get("POLLBRIDGE_TEST_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
-RESET = ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_decisions", "pollbridge_flags",
-         "pollbridge_flag_audit", "pollbridge_outbox")
-
-
-def _pg_admin(statement: str) -> None:
-    with psycopg.connect(PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
-        conn.execute(statement.encode())
-
-
-@pytest.fixture(scope="module")
-def pg_shared(pg_template: str) -> Iterator[Engine]:
-    """A PostgreSQL database cloned once for this module from the session's template."""
-    name = f"pb_{__name__.rpartition('.')[2][5:]}_{uuid.uuid4().hex[:8]}"
-    _pg_admin(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-    engine = create_engine(f"{PG_ADMIN_URL.rpartition('/')[0]}/{name}")
-    yield engine
-    engine.dispose()
-    _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture(scope="module")
-def sqlite_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    engine = create_engine(f"sqlite:///{tmp_path_factory.mktemp('db') / 'pollbridge.db'}")
-    install.init(engine, demo_schema=True, mapping=TaskTableMapping())
-    yield engine
-    engine.dispose()
-
-
-def _reset(engine: Engine) -> Engine:
-    """Empty the tables these tests write (and undo a rename a failed test may have left)."""
-    with engine.begin() as conn:
-        if "pollbridge_flags_away" in sa.inspect(conn).get_table_names():
-            conn.execute(sa.text("ALTER TABLE pollbridge_flags_away RENAME TO pollbridge_flags"))
-        for name in RESET:  # the outbox last: deleting tasks fires the capture trigger
-            conn.execute(sa.text(f"DELETE FROM {name}"))
-    return engine
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+@pytest.fixture(params=SHARED_DB_PARAMS)
 def engine(request: pytest.FixtureRequest) -> Engine:
-    """Overrides the per-test database: the module's shared one for the dialect, emptied."""
-    return _reset(request.getfixturevalue(f"{request.param.replace('postgresql', 'pg')}_shared"))
+    """Overrides the per-test database: the module's shared one for the dialect, emptied (``shared_engine``)."""
+    return shared_engine(request)
 
 
 def _specs(workflow_type: str, instance_ids: Sequence[str]) -> list[WorkflowSpec]:

@@ -41,9 +41,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import Env
+from support import Env, StackContext
 
-from bridge.bus import EventBus, open_bus
+from bridge.bus import EventBus
 from bridge.bus.abc import Delivery
 from bridge.relay import Relay
 from bridge.routing import FixedRouter
@@ -123,38 +123,11 @@ def task_specs(draw: st.DrawFn) -> tuple[TaskSpec, ...]:
 
 
 # --- the pieces the machine drives ------------------------------------------------------------------------
-@dataclass
-class Context:
-    """What outlives one example: the database, how to open a bus on it, and an example counter."""
+class Context(StackContext):
+    """What outlives one example; ``reset`` empties the task table, outbox, dispatch log, bus and lease table."""
 
-    env: Env
-    redis_url: str | None
-    examples: int = 0
-
-    def open_bus(self) -> EventBus:
-        if self.redis_url is None:
-            return open_bus("embedded", engine=self.env.engine, partitions=4)
-        return open_bus(self.redis_url, partitions=4, namespace=self.env.namespace or "pollbridge")
-
-    def reset(self) -> None:
-        """An empty task table, outbox, dispatch log, bus and lease table for the next example."""
-        tt = self.env.tables
-        with self.env.engine.begin() as conn:
-            conn.execute(tt.tasks.delete())
-            if tt.instances is not None:
-                conn.execute(tt.instances.delete())
-            for table in RESET_TABLES:
-                conn.execute(table.delete())
-        if self.redis_url is not None:
-            import redis
-
-            client = redis.Redis.from_url(self.redis_url)
-            try:
-                keys = list(client.scan_iter(match=f"{self.env.namespace}:*", count=1000))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+    partitions = 4
+    reset_tables = RESET_TABLES
 
 
 @dataclass
