@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Connection, Engine, Row
 
 from bridge.bus.abc import EventBus
+from bridge.bus.embedded import idle_poll
 from bridge.capture import WakeMode
 from bridge.db import db_now, mask_url
 from bridge.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
@@ -398,8 +399,9 @@ class Relay:
     def _idle(self, waiter: Waiter, listen: bool, last_rows: float) -> None:
         s = self.settings
         if not listen:
-            interval = s.poll_interval if (self.pg or time.monotonic() - last_rows < s.arm_after) \
-                else max(s.poll_interval, EMBEDDED_IDLE_PROBE)
+            idle_for = time.monotonic() - last_rows
+            interval = s.poll_interval if (self.pg or idle_for < s.arm_after) \
+                else idle_poll(max(s.poll_interval, EMBEDDED_IDLE_PROBE), idle_for)
             waiter.wait(interval)
             return
         if self.wake == "adaptive":

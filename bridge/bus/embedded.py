@@ -21,9 +21,12 @@ Why it is built the way it is:
   serialises writers anyway. On SQLite the highest row of the log is never trimmed either: without
   ``AUTOINCREMENT`` SQLite reuses the largest deleted rowid, which would hide a new entry behind
   an offset that already passed that id.
-* **Blocking read** re-checks every ``poll_interval`` with a cheap lock-free query (the offsets,
-  then "is anything after them"), and a process-wide condition per database, notified by
-  ``publish``, wakes a same-process consumer at once.
+* **Blocking read** re-checks with a cheap lock-free query (the offsets, then "is anything after
+  them") every ``poll_interval`` while entries flow, less often the longer the bus has been idle (a
+  tenth of the idle time, at most :data:`MAX_IDLE_POLL`), and a process-wide condition per database,
+  notified by ``publish``, wakes a same-process consumer at once. An idle consumer so costs about
+  ten checks a second, and the first entry after a long idle spell reaches another process within
+  :data:`MAX_IDLE_POLL`.
 * **Time** is the database clock (:func:`bridge.db.db_now`) everywhere, so idle times and
   retention do not depend on which host's clock a consumer has.
 * **epoch** is a constant: the embedded log is lost only with the database itself, and then the
@@ -56,6 +59,15 @@ ADVISORY_LOCK_CLASS = zlib.crc32(b"pollbridge_bus_log") & 0x7FFFFFFF
 EMBEDDED_EPOCH = "embedded-1"
 
 _EVENT_ID_LENGTH = 36  # pollbridge_bus_log.event_id; informational only, the payload has the full id
+
+
+#: The longest wait between checks of an idle consumer (seconds).
+MAX_IDLE_POLL = 0.1
+
+
+def idle_poll(base: float, idle_for: float, cap: float = MAX_IDLE_POLL) -> float:
+    """The wait before the next check: ``base`` while busy, a tenth of the idle time after, up to ``cap``."""
+    return max(base, min(cap, idle_for / 10.0))
 
 
 class _Wakeup:
@@ -104,6 +116,7 @@ class EmbeddedBus(EventBus):
         self._dialect = engine.dialect.name
         self._poll = poll_interval
         self._wakeup = _wakeup_for(engine)
+        self._last_delivery = time.monotonic()
 
     def __repr__(self) -> str:
         return f"EmbeddedBus({self._engine.url.render_as_string(hide_password=True)}, partitions={self.partitions})"
@@ -189,13 +202,19 @@ class EmbeddedBus(EventBus):
             seen = self._wakeup.generation
             got = self._take(group, consumer, parts, count)
             if got:
+                self._last_delivery = time.monotonic()
                 return got
             # Nothing now: wait for a same-process publish or the next poll, then look cheaply.
             while True:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     return []
-                seen = self._wakeup.wait(seen, min(self._poll, remaining))
+                wait = idle_poll(self._poll, now - self._last_delivery)
+                moved = self._wakeup.wait(seen, min(wait, remaining))
+                if moved != seen:  # a same-process publish: busy again
+                    self._last_delivery = time.monotonic()
+                seen = moved
                 if self._has_undelivered(group, parts):
                     break
 
