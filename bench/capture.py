@@ -74,7 +74,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 import bench.relay
-from bench.common import PG_ADMIN_URL, REDIS_URL, db_url, machine, scratch_database, write_json
+from bench.common import PG_ADMIN_URL, REDIS_URL, db_url, delete_namespace, machine, scratch_database, write_json
 from bench.relay import latency
 from bridge import install
 from bridge.capture import WakeMode, remove_capture
@@ -409,17 +409,6 @@ def relay_process(url: str, wake: WakeMode, namespace: str) -> Iterator[subproce
                 proc.kill()
                 proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def delete_namespace(namespace: str) -> int:
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-        return len(keys)
-    finally:
-        client.close()
 
 
 # --- the runs ---------------------------------------------------------------------------------------

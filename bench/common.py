@@ -75,14 +75,14 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def delete_namespace(namespace: str) -> None:
-    """Remove every Redis key a benchmark created under ``namespace``."""
+def delete_namespace(namespace: str) -> int:
+    """Remove every Redis key a benchmark created under ``namespace``; how many there were."""
     import redis
+
+    from bridge.bus import redis_streams
 
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        keys = list(client.scan_iter(match=f"{namespace}:*"))
-        if keys:
-            client.delete(*keys)
+        return redis_streams.delete_namespace(client, namespace)
     finally:
         client.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+from support import clear_redis_namespace
 
 from bridge import install
 from bridge.db import create_engine
@@ -155,14 +156,6 @@ def redis_server() -> str:
 @pytest.fixture
 def redis_namespace(redis_server: str) -> Iterator[str]:
     """A namespace of its own for one test; its keys are deleted afterwards."""
-    import redis
-
     namespace = f"pbtest-{uuid.uuid4().hex[:10]}"
     yield namespace
-    client = redis.Redis.from_url(redis_server)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    clear_redis_namespace(redis_server, namespace)

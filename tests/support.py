@@ -59,16 +59,8 @@ class StackContext:
                 conn.execute(tt.instances.delete())
             for table in self.reset_tables:
                 conn.execute(table.delete())
-        if self.redis_url is not None:
-            import redis
-
-            client = redis.Redis.from_url(self.redis_url)
-            try:
-                keys = list(client.scan_iter(match=f"{self.env.namespace}:*", count=1000))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+        if self.redis_url is not None and self.env.namespace is not None:
+            clear_redis_namespace(self.redis_url, self.env.namespace)
 
 
 #: ``@pytest.fixture(params=SHARED_DB_PARAMS)`` on an ``engine`` override returning ``shared_engine(request)``
@@ -127,3 +119,16 @@ def drive_until_settled(
         if time.monotonic() > deadline:
             raise AssertionError(f"workload not settled after {timeout} s: {verdict}")
         time.sleep(0.02)
+
+
+def clear_redis_namespace(redis_url: str, namespace: str) -> int:
+    """Delete every key of one test's bus namespace (and nothing else); how many there were."""
+    import redis
+
+    from bridge.bus.redis_streams import delete_namespace
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return delete_namespace(client, namespace)
+    finally:
+        client.close()

@@ -22,11 +22,11 @@ Why it is built the way it is:
   ``AUTOINCREMENT`` SQLite reuses the largest deleted rowid, which would hide a new entry behind
   an offset that already passed that id.
 * **Blocking read** re-checks with a cheap lock-free query (the offsets, then "is anything after
-  them") every ``poll_interval`` while entries flow, less often the longer the bus has been idle (a
-  tenth of the idle time, at most :data:`MAX_IDLE_POLL`), and a process-wide condition per database,
-  notified by ``publish``, wakes a same-process consumer at once. An idle consumer so costs about
-  ten checks a second, and the first entry after a long idle spell reaches another process within
-  :data:`MAX_IDLE_POLL`.
+  them") every ``poll_interval`` while entries flow, less often the longer the bus has been idle
+  (:func:`bridge.idle.idle_poll`: a tenth of the idle time, at most 0.1 s), and a process-wide
+  condition per database, notified by ``publish``, wakes a same-process consumer at once. An idle
+  consumer so costs about ten checks a second, and the first entry after a long idle spell reaches
+  another process within 0.1 s.
 * **Time** is the database clock (:func:`bridge.db.db_now`) everywhere, so idle times and
   retention do not depend on which host's clock a consumer has.
 * **epoch** is a constant: the embedded log is lost only with the database itself, and then the
@@ -49,6 +49,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from bridge.bus.abc import DeadLetter, Delivery, EventBus
 from bridge.db import db_now, read_only
 from bridge.events import CloudEvent, EventFormatError
+from bridge.idle import idle_poll
 from bridge.schema import bus_dead, bus_groups, bus_log, bus_pending
 
 #: First key of the PostgreSQL advisory locks that order publishes per partition (the second key
@@ -59,15 +60,6 @@ ADVISORY_LOCK_CLASS = zlib.crc32(b"pollbridge_bus_log") & 0x7FFFFFFF
 EMBEDDED_EPOCH = "embedded-1"
 
 _EVENT_ID_LENGTH = 36  # pollbridge_bus_log.event_id; informational only, the payload has the full id
-
-
-#: The longest wait between checks of an idle consumer (seconds).
-MAX_IDLE_POLL = 0.1
-
-
-def idle_poll(base: float, idle_for: float, cap: float = MAX_IDLE_POLL) -> float:
-    """The wait before the next check: ``base`` while busy, a tenth of the idle time after, up to ``cap``."""
-    return max(base, min(cap, idle_for / 10.0))
 
 
 class _Wakeup:

@@ -559,6 +559,15 @@ class RedisStreamsBus(EventBus):
         return out
 
 
+def delete_namespace(client: redis.Redis[Any], namespace: str) -> int:
+    """Delete every key of one bus namespace, and nothing else (a Redis "lost its data" in tests and
+    benchmarks, or a namespace's cleanup); how many keys there were."""
+    keys = list(client.scan_iter(match=BusKeys(namespace).pattern, count=1000))
+    if keys:
+        client.delete(*keys)
+    return len(keys)
+
+
 def _masked(url: str) -> str:
     """The URL without its password (in the userinfo or a ``password=`` query parameter)."""
     return re.sub(r"(?i)(password=)[^&]*", r"\1***", mask_url(url))
