@@ -46,7 +46,8 @@ from bridge import install
 from bridge.bus import open_bus
 from bridge.db import create_engine
 from bridge.mapping import TaskTableMapping
-from bridge.settings import CaptureSettings, SchedulerSettings
+from bridge.settings import BusSettings, CaptureSettings, SchedulerSettings
+from event_scheduler.leases import lease_snapshot
 
 CHAIN = 10
 
@@ -292,15 +293,14 @@ def start_pollbridge(url: str, workdir: Path, namespace: str, schedulers: int) -
     p = Pollbridge("pollbridge", url, "tasks", ", updated_at = clock_timestamp()")
     p.namespace = namespace
 
-    def settled() -> bool:
-        with p.conn() as conn:
-            members = conn.execute("SELECT count(*) FROM pollbridge_scheduler_members").fetchone()
-            free = conn.execute("SELECT count(*) FILTER (WHERE holder IS NULL), count(DISTINCT holder) "
-                                "FROM pollbridge_scheduler_leases").fetchone()
-        return bool(members and free and members[0] == schedulers and free[0] == 0 and free[1] == schedulers)
-
-    if not wait_until(settled, 60, children):
-        print("warning: the schedulers did not settle their leases within 60 s", file=sys.stderr)
+    engine = create_engine(url)
+    bus = open_bus(REDIS_URL, engine=engine, partitions=BusSettings().partitions, namespace=namespace)
+    try:
+        if not wait_until(lambda: lease_snapshot(engine, bus).settled(schedulers, bus.partitions), 60, children):
+            print("warning: the schedulers did not settle their leases within 60 s", file=sys.stderr)
+    finally:
+        bus.close()
+        engine.dispose()
     return p, children
 
 

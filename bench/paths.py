@@ -68,13 +68,15 @@ import sqlalchemy as sa
 from bench import _paths_common as pc
 from bench.common import REDIS_URL, delete_namespace, scratch_database, write_json
 from bridge import install
+from bridge.bus import open_bus
 from bridge.capture import remove_capture
 from bridge.db import create_engine
 from bridge.mapping import TaskTableMapping
-from bridge.settings import CaptureSettings
+from bridge.settings import BusSettings, CaptureSettings
 from bridge.tasktable import reflect_tables
 from bridge.verify import as_utc, verify
 from bridge.workload import SHAPES, WorkflowSpec, make_shape
+from event_scheduler.leases import lease_snapshot
 
 TYPES = {"chain": "orders", "fanout": "reports", "diamond": "etl"}
 TICK = 0.02
@@ -260,7 +262,8 @@ def start_fleet(url: str, children: pc.Children, args: argparse.Namespace) -> pc
     return fleet
 
 
-def start_processes(path: PathSpec, url: str, children: pc.Children, args: argparse.Namespace) -> list[str]:
+def start_processes(path: PathSpec, url: str, bus_url: str, namespace: str, children: pc.Children,
+                    args: argparse.Namespace) -> list[str]:
     """Start the path's processes; wait until they are ready. Returns their names."""
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed (pip install -e .)")
     if path.kind == "poller":
@@ -279,16 +282,19 @@ def start_processes(path: PathSpec, url: str, children: pc.Children, args: argpa
         children.spawn(f"scheduler{n + 1}", [exe, "--log-level", "INFO", "scheduler", "run", "--phase", "cutover"])
         names.append(f"scheduler{n + 1}")
 
-    def settled() -> bool:
-        members = _scalar(url, path.backend, "SELECT count(*) FROM pollbridge_scheduler_members")
-        holders = _scalar(url, path.backend, "SELECT count(DISTINCT holder) FROM pollbridge_scheduler_leases")
-        free = _scalar(url, path.backend,
-                       "SELECT count(*) FROM pollbridge_scheduler_leases WHERE holder IS NULL")
-        relay = _scalar(url, path.backend, "SELECT count(*) FROM pollbridge_relay_state WHERE holder IS NOT NULL")
-        return bool(members == args.schedulers and holders == args.schedulers and free == 0 and relay)
+    engine = create_engine(url)
+    bus = open_bus(bus_url, engine=engine, partitions=BusSettings().partitions, namespace=namespace)
 
-    _wait_for(settled, 60, "the schedulers settling their partition leases and the relay taking its partition",
-              children)
+    def settled() -> bool:
+        relay = _scalar(url, path.backend, "SELECT count(*) FROM pollbridge_relay_state WHERE holder IS NOT NULL")
+        return bool(relay) and lease_snapshot(engine, bus).settled(args.schedulers, bus.partitions)
+
+    try:
+        _wait_for(settled, 60, "the schedulers settling their partition leases and the relay taking its partition",
+                  children)
+    finally:
+        bus.close()
+        engine.dispose()
     return names
 
 
@@ -315,7 +321,7 @@ def measure_path(path: PathSpec, work: Workload, args: argparse.Namespace) -> di
         (workdir / "pollbridge.toml").write_text(_toml(namespace))
         children = pc.Children(workdir, {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": bus_url})
         stack.callback(children.stop_all)
-        names = start_processes(path, url, children, args)
+        names = start_processes(path, url, bus_url, namespace, children, args)
         print(f"[{path.label}] processes ready after {time.perf_counter() - clock:.1f} s", flush=True)
         pg = path.backend == "postgresql"
 

@@ -59,7 +59,8 @@ from bridge import install
 from bridge.bus import open_bus
 from bridge.db import create_engine
 from bridge.mapping import TaskTableMapping
-from bridge.settings import CaptureSettings
+from bridge.settings import BusSettings, CaptureSettings
+from event_scheduler.leases import lease_snapshot
 
 COMPLETE_BATCH = """
 UPDATE tasks SET status = 'completed', completed_at = clock_timestamp(), updated_at = clock_timestamp()
@@ -279,23 +280,20 @@ def wait_for_roots(engine: sa.Engine, procs: Processes, prefix: str, instances: 
           "within 120 s; the window opens anyway", file=sys.stderr)
 
 
-def wait_for_schedulers(url: str, count: int, timeout: float = 60.0) -> None:
+def wait_for_schedulers(url: str, namespace: str, count: int, timeout: float = 60.0) -> None:
     """Until ``count`` schedulers are members and every partition is leased (the start-up rebalancing is
     over), so the measured phases do not include a start-up catch-up."""
     engine = create_engine(url)
+    bus = open_bus(REDIS_URL, engine=engine, partitions=BusSettings().partitions, namespace=namespace)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            with engine.connect() as conn:
-                members = conn.execute(sa.text("SELECT count(*) FROM pollbridge_scheduler_members")).scalar_one()
-                holders = conn.execute(sa.text(
-                    "SELECT count(DISTINCT holder), count(*) FILTER (WHERE holder IS NULL) "
-                    "FROM pollbridge_scheduler_leases")).one()
-            if members == count and holders[0] == count and holders[1] == 0:
+            if lease_snapshot(engine, bus).settled(count, bus.partitions):
                 time.sleep(1.0)
                 return
             time.sleep(0.2)
     finally:
+        bus.close()
         engine.dispose()
     print(f"warning: the {count} scheduler(s) did not settle their leases within {timeout:.0f} s", file=sys.stderr)
 
@@ -495,7 +493,7 @@ def main() -> None:
                 procs.start("relay", "relay", "run")
                 schedulers = [procs.start(f"scheduler{i}", "scheduler", "run", "--phase", "cutover")
                               for i in range(args.schedulers)]
-                wait_for_schedulers(url, args.schedulers)
+                wait_for_schedulers(url, namespace, args.schedulers)
                 rss_start = [rss_mb(p.pid) for p in schedulers]
                 if args.soak_minutes:
                     results["soak"] = soak(url, procs, schedulers, args.soak_minutes, args.soak_rate, length)

@@ -2,7 +2,11 @@
 
 PostgreSQL: a session-level advisory lock held on a dedicated connection. If the holder dies its
 connection closes and the lock is released at once; a standby polling ``try_acquire`` takes over
-within its retry interval. SQLite (one host, the embedded default): a lease row in
+within its retry interval. The holder checks that it still holds the lock without a statement: the
+lock lives exactly as long as the connection, so it reads what the server may have sent (a
+termination notice, the end of the stream) and asks the socket; TCP keepalives turn a silently
+dropped network path into a closed socket within :data:`KEEPALIVE_SECONDS`. An idle relay so sends
+its database nothing for its leadership. SQLite (one host, the embedded default): a lease row in
 ``pollbridge_relay_state`` renewed by heartbeat, taken over when the heartbeat is older than the
 lease timeout.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import uuid
 from abc import ABC, abstractmethod
@@ -18,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import sqlalchemy as sa
+from psycopg.pq import ConnStatus
 from sqlalchemy.engine import Engine
 
 from bridge.schema import relay_state
@@ -26,6 +32,10 @@ log = logging.getLogger(__name__)
 
 #: First key of the two-key advisory lock; the second is the relay partition.
 ADVISORY_NAMESPACE = 0x70B1  # "pb"
+
+#: About how long a leadership connection whose network path silently died goes unnoticed (keepalive
+#: idle time plus its probes).
+KEEPALIVE_SECONDS = 20
 
 
 def holder_name() -> str:
@@ -65,7 +75,9 @@ class AdvisoryLockLeadership(Leadership):
 
     def _connect(self) -> psycopg.Connection[tuple[object, ...]]:
         url = self.engine.url.set(drivername="postgresql")
-        return psycopg.connect(url.render_as_string(hide_password=False), autocommit=True, connect_timeout=10)
+        return psycopg.connect(url.render_as_string(hide_password=False), autocommit=True, connect_timeout=10,
+                               keepalives=1, keepalives_idle=KEEPALIVE_SECONDS // 2,
+                               keepalives_interval=KEEPALIVE_SECONDS // 10, keepalives_count=5)
 
     def try_acquire(self) -> bool:
         try:
@@ -73,8 +85,9 @@ class AdvisoryLockLeadership(Leadership):
                 self._held = False
                 self._conn = self._connect()
             if self._held:
-                self._conn.execute("SELECT 1")  # the lock lives as long as this connection does
-                return True
+                if _alive(self._conn):  # the lock lives exactly as long as this connection does
+                    return True
+                raise psycopg.OperationalError("the server closed the connection that held the lock")
             row = self._conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
                                      (ADVISORY_NAMESPACE, self.partition)).fetchone()
             self._held = bool(row and row[0])
@@ -84,7 +97,7 @@ class AdvisoryLockLeadership(Leadership):
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
-        if self._held:
+        if self._held:  # just taken: who holds it and since when (for status and preflight)
             with self.engine.begin() as conn:
                 conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
                              .values(holder=self.holder, heartbeat_at=sa.func.clock_timestamp()))
@@ -123,6 +136,23 @@ class LeaseLeadership(Leadership):
         with self.engine.begin() as conn:
             conn.execute(relay_state.update().where(rs.relay_partition == self.partition, rs.holder == self.holder)
                          .values(holder=None, heartbeat_at=None))
+
+
+def _alive(conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+    """Whether the server side of an idle connection still exists, without a round trip: read what is
+    waiting while the socket has something (a terminated backend sends its error, then closes: the
+    second read meets the end of the stream) and look at the state."""
+    pgconn = conn.pgconn
+    if conn.closed or pgconn.status != ConnStatus.OK:
+        return False
+    try:
+        for _ in range(4):
+            if not select.select([pgconn.socket], [], [], 0)[0]:
+                break
+            pgconn.consume_input()
+    except psycopg.OperationalError:
+        return False
+    return pgconn.status == ConnStatus.OK
 
 
 def leadership_for(engine: Engine, partition: int, lease_timeout: float) -> Leadership:

@@ -36,8 +36,9 @@ What each check measures:
   PostgreSQL one holding the partition's advisory lock (released the moment its connection closes); on
   SQLite one whose lease heartbeat in ``pollbridge_relay_state`` is newer than ``heartbeat_timeouts``
   times ``relay.lease_timeout``.
-* ``scheduler_alive``: at least one scheduler process heartbeat in ``pollbridge_scheduler_members``
-  within ``heartbeat_timeouts`` times ``scheduler.lease_ttl``, and every bus partition is leased by a live one.
+* ``scheduler_alive``: at least one scheduler process heartbeat within ``heartbeat_timeouts`` times
+  ``scheduler.lease_ttl``, and every bus partition is leased by a live one; read where the leases are
+  (beside a Redis bus, else ``pollbridge_scheduler_members`` and ``pollbridge_scheduler_leases``).
 * ``outbox_backlog``: the oldest unpublished outbox row (``published_at IS NULL``) is at most
   ``max_backlog_age`` seconds old, by the database clock.
 * ``consumer_lag``: bus entries not yet delivered to the scheduler's group, over all partitions, at
@@ -76,7 +77,7 @@ from bridge.flags import FlagStore, describe, validate_percent, validate_phase, 
 from bridge.leadership import ADVISORY_NAMESPACE
 from bridge.promotion import RANK, db_clock, evaluate_gate, is_promotion
 from bridge.routing import PHASES, Flag, Phase
-from bridge.schema import outbox_dead, relay_state, scheduler_leases, scheduler_members
+from bridge.schema import outbox_dead, relay_state
 from bridge.settings import Settings
 from bridge.tasktable import TaskTable, reflect_tables
 
@@ -276,25 +277,21 @@ def _relay_alive(p: Probe) -> Outcome:
 
 
 def _scheduler_alive(p: Probe) -> Outcome:
+    from event_scheduler.leases import lease_snapshot
+
     s = p.settings
     limit = s.preflight.heartbeat_timeouts * s.scheduler.lease_ttl
-    mc, lc = scheduler_members.c, scheduler_leases.c
-    with read_only(p.engine).connect() as conn:
-        members = conn.execute(sa.select(mc.holder, mc.heartbeat_at)).all()
-        leases = conn.execute(sa.select(lc.partition, lc.holder, lc.expires_at)).all()
-    # Scheduler processes heartbeat and lease with their host's UTC clock.
-    now = datetime.now(UTC)
-    live = {str(m.holder): beat for m in members
-            if (beat := _utc(m.heartbeat_at)) is not None and (now - beat).total_seconds() <= limit}
+    # Where the leases are: beside a Redis bus (its clock), else in the database (the hosts' UTC clocks).
+    snap = lease_snapshot(p.engine, p.bus)
+    now = snap.now
+    live = snap.live_members(limit)
     if not live:
-        newest = max((b for m in members if (b := _utc(m.heartbeat_at)) is not None), default=None)
+        newest = max(snap.members.values(), default=None)
         seen = f"the last heartbeat was {_age(now, newest)}" if newest else "no scheduler process is registered"
         return False, (f"no scheduler process heartbeat within {limit:g} s ({seen}): "
                        "start `pollbridge scheduler run`")
     wanted = s.bus.partitions
-    held = {int(r.partition) for r in leases
-            if r.holder in live and (exp := _utc(r.expires_at)) is not None and exp > now}
-    orphaned = sorted(set(range(wanted)) - held)
+    orphaned = sorted(set(range(wanted)) - snap.held_by(live))
     figures = f"{len(live)} live scheduler process(es), newest heartbeat {_age(now, max(live.values()))}"
     if orphaned:
         return False, (f"{figures}, but bus partition(s) {', '.join(map(str, orphaned))} of {wanted} have no live "
@@ -379,7 +376,7 @@ CHECKS: tuple[PreflightCheck, ...] = (
     PreflightCheck("relay_alive", "every relay partition has a relay with a fresh heartbeat", EVENT_PATH,
                    _relay_alive, ("database", "migrations")),
     PreflightCheck("scheduler_alive", "a scheduler process has a fresh heartbeat and every bus partition a consumer",
-                   EVENT_PATH, _scheduler_alive, ("database", "migrations")),
+                   EVENT_PATH, _scheduler_alive, ("database", "migrations", "bus")),
     PreflightCheck("outbox_backlog", "the oldest unpublished outbox row is younger than max_backlog_age",
                    EVENT_PATH, _outbox_backlog, ("database", "migrations")),
     PreflightCheck("consumer_lag", "the scheduler's consumer lag is at most max_lag", EVENT_PATH, _consumer_lag,

@@ -135,6 +135,10 @@ class Relay:
         # The loop's connection, kept while run() runs: a pool checkout per cycle would add the pool's
         # pre-ping, a statement per idle second.
         self._conn: Connection | None = None
+        # When the oldest published row this relay keeps passes the retention window (monotonic time;
+        # None: it keeps none, so nothing can be due until it publishes again). An idle relay so does
+        # not ask the database every purge_interval whether anything expired.
+        self._purge_due: float | None = 0.0
         self._labels = {"partition": str(partition)}
         o = outbox.c
         batch = (sa.select(o.id)
@@ -193,6 +197,8 @@ class Relay:
 
     def _record(self, published: Sequence[Row[Any]], dead: int) -> None:
         self.metrics.published.inc(len(published))
+        if published and self._purge_due is None:
+            self._purge_due = time.monotonic() + self.settings.retention
         self.metrics.batch_size.observe(len(published) + dead)
         if published:
             # One observation per batch, of its oldest row: the batch's worst case, at a cost that does
@@ -267,17 +273,21 @@ class Relay:
         """Delete published rows older than the retention window, in small batches, and trim the bus to the
         same window."""
         o = outbox.c
-        cutoff = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
-        if not self.pg:
-            cutoff = cutoff.replace(tzinfo=None)
+        cutoff_utc = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
+        cutoff = cutoff_utc if self.pg else cutoff_utc.replace(tzinfo=None)
         total = 0
         for _ in range(100):
             ids = sa.select(o.id).where(o.published_at.is_not(None), o.published_at < cutoff,
                                         o.relay_partition == self.partition).limit(self.settings.purge_batch)
             with self._begin() as conn:
                 n = conn.execute(outbox.delete().where(o.id.in_(ids.scalar_subquery()))).rowcount
+                if n < self.settings.purge_batch:
+                    oldest = as_utc(conn.execute(sa.select(sa.func.min(o.published_at)).where(
+                        o.published_at.is_not(None), o.relay_partition == self.partition)).scalar_one())
             total += n
             if n < self.settings.purge_batch:
+                self._purge_due = None if oldest is None else time.monotonic() + max(
+                    0.0, (oldest - cutoff_utc).total_seconds())
                 break
         self.metrics.purged.inc(total)
         # The bus keeps what the outbox keeps: entries past the retention window that every consumer group
@@ -364,7 +374,11 @@ class Relay:
                         stop.wait(self.settings.epoch_check_interval)
                         continue
                     if now >= next_purge:
-                        self.purge()
+                        # The bus trim rides on the outbox's purge: its entries are the same publishes. An
+                        # entry still unacknowledged at a purge waits for the next one (after the next
+                        # publish), which bounds it without an idle relay asking anything.
+                        if self._purge_due is not None and now >= self._purge_due:
+                            self.purge()
                         if handled:
                             self.probe()
                         else:  # the last claim found nothing: the backlog was empty, no need to ask again

@@ -1,7 +1,9 @@
 """The event-driven scheduler: consumes task events and dispatches ready tasks within milliseconds.
 
-Not built yet: this package is reserved by the foundation so the distribution's layout is stable;
-the consumer, readiness evaluation, timers and signals arrive with the event-scheduler issue.
+:mod:`event_scheduler.scheduler` runs the loop; :mod:`~event_scheduler.evaluate` decides readiness from
+the database; :mod:`~event_scheduler.timers` and :mod:`~event_scheduler.signals` handle due times and
+callbacks; partition ownership is a :class:`~event_scheduler.protocols.PartitionLeaseStore`
+(:mod:`~event_scheduler.leases` in the database, :mod:`~event_scheduler.redis_leases` beside a Redis bus).
 """
 
 from __future__ import annotations

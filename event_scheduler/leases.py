@@ -18,13 +18,17 @@ take. An idle, settled scheduler so costs one statement per round.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from bridge.bus.abc import EventBus
+from bridge.db import read_only
 from bridge.schema import scheduler_leases, scheduler_members
+from event_scheduler.protocols import PartitionLeaseStore
 
 #: The settled round's one statement (PostgreSQL): heartbeat and renew, then the facts that decide
 #: whether a full round is needed. Every subquery reads the statement's snapshot (the renewal's own
@@ -46,6 +50,8 @@ SELECT (SELECT count(*) FROM beat) AS beat,
 
 
 class PartitionLeases:
+    """:class:`event_scheduler.protocols.PartitionLeaseStore` in the database."""
+
     def __init__(self, engine: Engine, partitions: int, holder: str, ttl: float) -> None:
         self.engine = engine
         self.partitions = partitions
@@ -129,3 +135,64 @@ class PartitionLeases:
     def holders(self) -> dict[int, Any]:
         with self.engine.connect() as conn:
             return {p: h for p, h in conn.execute(sa.select(scheduler_leases.c.partition, scheduler_leases.c.holder))}
+
+
+def lease_store(engine: Engine, bus: EventBus, holder: str, ttl: float) -> PartitionLeaseStore:
+    """The leases that go with ``bus``: beside it in Redis for the Redis Streams bus (an idle round then
+    costs the database nothing), in the database otherwise."""
+    from bridge.bus.redis_streams import RedisStreamsBus
+
+    if isinstance(bus, RedisStreamsBus):
+        from event_scheduler.redis_leases import RedisPartitionLeases
+
+        return RedisPartitionLeases(bus.client, bus.keys, bus.partitions, holder, ttl)
+    return PartitionLeases(engine, bus.partitions, holder, ttl)
+
+
+@dataclass(frozen=True)
+class LeaseSnapshot:
+    """What a lease store records, read without writing (status, preflight, benchmarks). Times are aware
+    UTC; ``now`` is the store's clock (Redis's, or this host's for the database store, whose members
+    write their hosts' UTC clocks)."""
+
+    now: datetime
+    members: dict[str, datetime]  # holder -> last heartbeat
+    leases: dict[int, tuple[str | None, datetime | None]]  # partition -> (holder, expires)
+
+    def live_members(self, within: float) -> dict[str, datetime]:
+        return {h: t for h, t in self.members.items() if (self.now - t).total_seconds() <= within}
+
+    def settled(self, members: int, partitions: int) -> bool:
+        """Exactly ``members`` processes registered, each holding leases, and every partition leased."""
+        holders = {h for h, _ in self.leases.values() if h}
+        leased = {p for p, (h, _) in self.leases.items() if h}
+        return len(self.members) == members == len(holders) and leased >= set(range(partitions))
+
+    def held_by(self, holders: set[str] | dict[str, datetime]) -> set[int]:
+        """Partitions leased, unexpired, by one of ``holders``."""
+        return {p for p, (h, exp) in self.leases.items()
+                if h is not None and h in holders and exp is not None and exp > self.now}
+
+
+def lease_snapshot(engine: Engine, bus: EventBus | None) -> LeaseSnapshot:
+    """The leases of the store :func:`lease_store` would use with ``bus`` (None: the database's), read only."""
+    from bridge.bus.redis_streams import RedisStreamsBus
+
+    if isinstance(bus, RedisStreamsBus):
+        from event_scheduler.redis_leases import read_snapshot
+
+        return read_snapshot(bus.client, bus.keys)
+    mc, lc = scheduler_members.c, scheduler_leases.c
+    with read_only(engine).connect() as conn:
+        members = conn.execute(sa.select(mc.holder, mc.heartbeat_at)).all()
+        leases = conn.execute(sa.select(lc.partition, lc.holder, lc.expires_at)).all()
+    return LeaseSnapshot(
+        now=datetime.now(UTC),
+        members={str(m.holder): t for m in members if (t := _aware(m.heartbeat_at)) is not None},
+        leases={int(r.partition): (r.holder, _aware(r.expires_at)) for r in leases})
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

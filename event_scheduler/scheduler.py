@@ -46,7 +46,7 @@ from bridge.routing import EventRouter
 from bridge.settings import SchedulerSettings
 from bridge.tasktable import TaskTable
 from event_scheduler.evaluate import Evaluation, Evaluator, Scope
-from event_scheduler.leases import PartitionLeases
+from event_scheduler.leases import lease_store
 from event_scheduler.metrics import SchedulerMetrics
 from event_scheduler.timers import Timer, TimerQueue
 
@@ -80,7 +80,7 @@ class EventScheduler:
         self.holder = holder or holder_name()
         self.metrics = SchedulerMetrics(registry if registry is not None else CollectorRegistry())
         self.evaluator = Evaluator(engine, tables, router, settings, self.metrics)
-        self.leases = PartitionLeases(engine, bus.partitions, self.holder, settings.lease_ttl)
+        self.leases = lease_store(engine, bus, self.holder, settings.lease_ttl)
         self.timers = TimerQueue(self._fire)
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._conn: Connection | None = None  # the loop's connection, only while run() runs

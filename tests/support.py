@@ -132,3 +132,34 @@ def clear_redis_namespace(redis_url: str, namespace: str) -> int:
         return delete_namespace(client, namespace)
     finally:
         client.close()
+
+
+def age_scheduler_member(engine: Engine, bus: EventBus | None, holder: str | None, seconds: float) -> None:
+    """A scheduler process stalled or died: ``holder``'s (every member's if None) heartbeat and leases
+    are ``seconds`` old, wherever the leases are kept (beside a Redis bus, else in the database)."""
+    from datetime import UTC, datetime, timedelta
+
+    from bridge.bus.redis_streams import RedisStreamsBus
+    from bridge.schema import scheduler_leases, scheduler_members
+
+    if isinstance(bus, RedisStreamsBus):
+        client, keys = bus.client, bus.keys
+        secs, micros = client.time()
+        past = int(secs) * 1000 + int(micros) // 1000 - int(seconds * 1000)
+        for m in client.zrange(keys.scheduler_members, 0, -1):
+            if holder is None or m.decode() == holder:
+                client.zadd(keys.scheduler_members, {m: past})
+        for p, v in client.hgetall(keys.scheduler_leases).items():
+            owner = v.decode().split(" ", 1)[1]
+            if holder is None or owner == holder:
+                client.hset(keys.scheduler_leases, p, f"{past} {owner}")
+        return
+    at = datetime.now(UTC) - timedelta(seconds=seconds)
+    if engine.dialect.name == "sqlite":
+        at = at.replace(tzinfo=None)
+    lc, mc = scheduler_leases.c, scheduler_members.c
+    with engine.begin() as conn:
+        conn.execute(scheduler_members.update().where(sa.true() if holder is None else mc.holder == holder)
+                     .values(heartbeat_at=at))
+        conn.execute(scheduler_leases.update().where(sa.true() if holder is None else lc.holder == holder)
+                     .values(expires_at=at))

@@ -12,6 +12,10 @@ Layout, for namespace ``ns`` (default ``pollbridge``) and ``P`` partitions::
     ns:epoch                                     string   the bus epoch token (SET NX); it vanishing
                                                           is how data loss (FLUSHALL, a restart
                                                           without persistence) is detected
+    ns:sched:{ns:sched}:members                  zset     event-scheduler processes, scored by their
+                                                          last heartbeat (ms, Redis clock)
+    ns:sched:{ns:sched}:leases                   hash     partition -> "expires_ms holder": which
+                                                          scheduler consumes which partition
 
 * **Every key starts with** ``ns:`` so one ``SCAN MATCH ns:*`` finds all of a namespace's keys
   (several pollbridge installations, or tests, can share one server) and nothing else.
@@ -19,7 +23,8 @@ Layout, for namespace ``ns`` (default ``pollbridge``) and ``P`` partitions::
   partition stream has its own tag ``{ns:pN}``, so partitions spread over the cluster's slots
   (one partition's stream lives on exactly one node) while a partition's stream always stays in
   one slot. The tag includes the namespace so two namespaces' partition 3 do not pile onto the
-  same slot. ``ns:dead`` and ``ns:epoch`` carry no tag: they are touched rarely and alone.
+  same slot. ``ns:dead`` and ``ns:epoch`` carry no tag: they are touched rarely and alone. The
+  scheduler's members and leases share the tag ``{ns:sched}``: one script updates both.
 * **Consumer groups** live inside each partition stream and use the caller's group name as is
   (a group is named once per stream, so it needs no namespace); :meth:`BusKeys.group` only
   validates it.
@@ -84,6 +89,16 @@ class BusKeys:
     def pattern(self) -> str:
         """``SCAN MATCH`` pattern for every key of this namespace (and of no other)."""
         return f"{self.namespace}:*"
+
+    @property
+    def scheduler_members(self) -> str:
+        """Sorted set of live event-scheduler processes (score: last heartbeat, ms)."""
+        return f"{self.namespace}:sched:{{{self.namespace}:sched}}:members"
+
+    @property
+    def scheduler_leases(self) -> str:
+        """Hash of partition leases: field = partition, value = ``"<expires_ms> <holder>"``."""
+        return f"{self.namespace}:sched:{{{self.namespace}:sched}}:leases"
 
     @staticmethod
     def group(name: str) -> str:

@@ -197,7 +197,9 @@ def test_refused_gate_exits_1_and_prints_the_failed_criteria(pollbridge: Run, en
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr + result.stdout
         assert "pollbridge: error: gate refused orders dual_write -> selective" in result.stderr
-    assert "[FAIL] min_tasks: 0 compared task(s), need 1000" in text.stderr
+    # The seeded tasks count once they are past the tolerance window: how many depends on how soon the
+    # command ran (a loaded machine can take longer than the tolerance), never enough.
+    assert re.search(r"\[FAIL\] min_tasks: [0-3] compared task\(s\), need 1000", text.stderr), text.stderr
     assert "[pass] no_early" in text.stderr and "[pass] no_duplicate" in text.stderr
     assert "[FAIL] miss_rate" in text.stderr
     payload = json.loads(as_json.stdout)

@@ -27,6 +27,7 @@ from bridge.schema import bus_log, dispatch_log, outbox, scheduler_leases, sched
 from bridge.settings import SchedulerSettings
 from bridge.tasktable import TaskTable, reflect_tables
 from bridge.workload import TaskSpec, WorkflowSpec, seed
+from event_scheduler.leases import lease_snapshot
 
 GROUP = SchedulerSettings().group
 PARTITIONS = 4
@@ -91,10 +92,10 @@ def _write_config(cwd: Path, namespace: str) -> None:
         "[scheduler]\nlease_ttl = 3\nclaim_interval = 0.5\nblock = 0.2\n")
 
 
-def _all_partitions_held(engine: Engine) -> bool:
-    with engine.connect() as conn:
-        holders = conn.execute(sa.select(scheduler_leases.c.holder)).scalars().all()
-    return len(holders) == PARTITIONS and all(holders)
+def _all_partitions_held(engine: Engine, bus: EventBus | None = None) -> bool:
+    """Every partition leased, wherever the leases are (beside a Redis bus, else in the database)."""
+    leases = lease_snapshot(engine, bus).leases
+    return all(leases.get(p, (None, None))[0] for p in range(PARTITIONS))
 
 
 def _dispatch_rows(engine: Engine) -> list[Any]:
@@ -155,7 +156,7 @@ def test_dead_letter_round_trip(backend: str, request: pytest.FixtureRequest, po
 
         sched = SchedulerProcess(tmp_path, env)
         started.append(sched)
-        wait_for(lambda: _all_partitions_held(engine), 30, what="the scheduler to hold every partition")
+        wait_for(lambda: _all_partitions_held(engine, bus), 30, what="the scheduler to hold every partition")
 
         # Two poison entries: not JSON at all, and valid JSON that is not a CloudEvent (no partitionkey).
         # Both are dead-lettered at once, with the reason.

@@ -24,13 +24,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from support import wait_for
 
+from bridge.bus import EventBus, open_bus
 from bridge.bus.abc import partition_for
 from bridge.db import create_engine
 from bridge.mapping import TaskTableMapping
-from bridge.schema import dispatch_log, scheduler_leases
+from bridge.schema import dispatch_log
 from bridge.tasktable import reflect_tables
 from bridge.verify import verify
 from bridge.workload import SHAPES, WorkflowSpec, make_shape, seed
+from event_scheduler.leases import lease_snapshot
 
 PARTITIONS = 4
 
@@ -102,14 +104,14 @@ def _dispatches(engine: Engine, instances: list[str] | None = None) -> int:
         return int(conn.execute(q).scalar_one())
 
 
-def _holders(engine: Engine) -> dict[int, str | None]:
-    with engine.connect() as conn:
-        return {int(p): h for p, h in conn.execute(sa.select(scheduler_leases.c.partition, scheduler_leases.c.holder))}
+def _holders(engine: Engine, bus: EventBus) -> dict[int, str | None]:
+    """Each partition's lease holder, wherever the schedulers keep their leases (beside a Redis bus)."""
+    return {p: h for p, (h, _) in lease_snapshot(engine, bus).leases.items()}
 
 
-def _partitions_of(engine: Engine, pid: int) -> set[int]:
+def _partitions_of(engine: Engine, bus: EventBus, pid: int) -> set[int]:
     """Partitions whose lease names process ``pid`` (holder names are ``host:pid:random``)."""
-    return {p for p, h in _holders(engine).items() if h is not None and h.split(":")[-2] == str(pid)}
+    return {p for p, h in _holders(engine, bus).items() if h is not None and h.split(":")[-2] == str(pid)}
 
 
 def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str) -> None:
@@ -118,6 +120,7 @@ def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str
         "[scheduler]\nlease_ttl = 3\nclaim_interval = 1\n"
         "[workers]\nconcurrency = 4\nmin_duration = 0.005\nmax_duration = 0.02\n")
     engine = create_engine(db_url)
+    bus = open_bus(bus_url, engine=engine, partitions=PARTITIONS, namespace=namespace)
     tables = reflect_tables(engine, TaskTableMapping())
     specs = _workload("kill", random.Random(11))
     ids = [s.instance_id for s in specs]
@@ -128,8 +131,8 @@ def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str
         a = procs.scheduler()
         b = procs.scheduler()
         # Both members share the partitions before any work arrives (b joined, a gives back the excess).
-        wait_for(lambda: bool(_partitions_of(engine, a.pid)) and bool(_partitions_of(engine, b.pid))
-                 and len(_partitions_of(engine, a.pid) | _partitions_of(engine, b.pid)) == PARTITIONS, 30,
+        wait_for(lambda: bool(_partitions_of(engine, bus, a.pid)) and bool(_partitions_of(engine, bus, b.pid))
+                 and len(_partitions_of(engine, bus, a.pid) | _partitions_of(engine, bus, b.pid)) == PARTITIONS, 30,
                  what="the two schedulers to split the partitions")
         with engine.begin() as conn:
             total = seed(conn, tables, specs)
@@ -137,8 +140,8 @@ def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str
 
         # Kill the scheduler that holds partitions while dispatches are happening.
         wait_for(lambda: _dispatches(engine) >= total // 5, 60, what="a fifth of the workload to be dispatched")
-        victim_partitions = _partitions_of(engine, a.pid)
-        assert victim_partitions, f"the victim holds no partition: {_holders(engine)}"
+        victim_partitions = _partitions_of(engine, bus, a.pid)
+        assert victim_partitions, f"the victim holds no partition: {_holders(engine, bus)}"
         orphaned = [i for i in ids if partition_for(i, PARTITIONS) in victim_partitions]
         orphaned_tasks = sum(len(s.tasks) for s in specs if s.instance_id in orphaned)
         at_kill = _dispatches(engine)
@@ -149,11 +152,11 @@ def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str
             "the workload finished before the kill: spread the due times further"
 
         # The survivor takes the dead one's partitions over once their leases expired ...
-        wait_for(lambda: _partitions_of(engine, b.pid) == set(range(PARTITIONS)), 30,
+        wait_for(lambda: _partitions_of(engine, bus, b.pid) == set(range(PARTITIONS)), 30,
                  what="the survivor to take over every partition")
         # ... and a restarted scheduler gets its share back.
         a2 = procs.scheduler()
-        wait_for(lambda: bool(_partitions_of(engine, a2.pid)), 30,
+        wait_for(lambda: bool(_partitions_of(engine, bus, a2.pid)), 30,
                  what="the restarted scheduler to acquire partitions")
 
         def settled() -> bool:
@@ -164,10 +167,11 @@ def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str
         assert a2.poll() is None and b.poll() is None, procs.logs()
         after_kill = _dispatches(engine) - at_kill
     except BaseException:
-        print(f"leases: {_holders(engine)}\n{procs.logs()}")
+        print(f"leases: {_holders(engine, bus)}\n{procs.logs()}")
         raise
     finally:
         procs.stop_all()
+        bus.close()
 
     for proc in procs.procs:
         if proc is not a:

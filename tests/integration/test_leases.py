@@ -1,112 +1,162 @@
-"""Partition leases: fair shares, takeover of a dead member's partitions, and (PostgreSQL) the settled
-round's one statement on the caller's connection, which must fall back to the full round whenever
-something changed."""
+"""Partition leases: fair shares, takeover of a dead member's partitions, a lease taken while its holder
+stalled. One suite for every store (database on SQLite and PostgreSQL, Redis beside the bus); the
+PostgreSQL store's settled round is one statement on the caller's connection and must fall back to the
+full round whenever something changed; the Redis store's round costs the database nothing."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
+from support import age_scheduler_member
 
-from bridge.schema import scheduler_leases, scheduler_members
+from bridge.bus.redis_streams import RedisStreamsBus
+from bridge.db import create_engine
+from bridge.schema import scheduler_members
 from event_scheduler.leases import PartitionLeases
+from event_scheduler.protocols import PartitionLeaseStore
+from event_scheduler.redis_leases import RedisPartitionLeases
 
 PARTITIONS = 4
+TTL = 10.0
 
 
-def _keep(engine: Engine) -> Connection | None:
-    """The scheduler loop's kept autocommit connection (PostgreSQL only)."""
-    if engine.dialect.name != "postgresql":
-        return None
-    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+class Stores:
+    """Makes the members of one store and plays a member's death (its heartbeat and leases 60 s old)."""
+
+    def __init__(self, kind: str, engine: Engine, bus: RedisStreamsBus | None) -> None:
+        self.kind, self.engine, self.bus = kind, engine, bus
+        self._kept: list[Connection] = []
+
+    def member(self, holder: str) -> PartitionLeaseStore:
+        if self.bus is not None:
+            return RedisPartitionLeases(self.bus.client, self.bus.keys, PARTITIONS, holder, ttl=TTL)
+        return PartitionLeases(self.engine, PARTITIONS, holder, ttl=TTL)
+
+    def kept(self) -> Connection | None:
+        """The scheduler loop's kept autocommit connection (the PostgreSQL store's cheap round)."""
+        if self.kind != "postgresql":
+            return None
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        self._kept.append(conn)
+        return conn
+
+    def age(self, holder: str | None = None) -> None:
+        """``holder`` (every member if None) stalls: its heartbeat and leases are 60 s old."""
+        age_scheduler_member(self.engine, self.bus, holder, 60)
+
+    def members(self) -> list[str]:
+        if self.bus is not None:
+            return [m.decode() for m in self.bus.client.zrange(self.bus.keys.scheduler_members, 0, -1)]
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.select(scheduler_members.c.holder)).scalars())
+
+    def close(self) -> None:
+        for conn in self._kept:
+            conn.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres),
+                        pytest.param("redis", marks=[pytest.mark.postgres, pytest.mark.redis])])
+def stores(request: pytest.FixtureRequest) -> Iterator[Stores]:
+    kind = str(request.param)
+    url = request.getfixturevalue("sqlite_url" if kind == "sqlite" else "pg_url")
+    engine = create_engine(url)
+    bus = None
+    if kind == "redis":
+        bus = RedisStreamsBus(request.getfixturevalue("redis_server"), partitions=PARTITIONS,
+                              namespace=request.getfixturevalue("redis_namespace"))
+    s = Stores(kind, engine, bus)
+    yield s
+    s.close()
+    if bus is not None:
+        bus.close()
+    engine.dispose()
 
 
 @pytest.fixture
-def statements(engine: Engine) -> Iterator[list[str]]:
+def statements(stores: Stores) -> Iterator[list[str]]:
     seen: list[str] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         seen.append(statement)
 
-    event.listen(engine, "before_cursor_execute", record)
+    event.listen(stores.engine, "before_cursor_execute", record)
     yield seen
-    event.remove(engine, "before_cursor_execute", record)
+    event.remove(stores.engine, "before_cursor_execute", record)
 
 
-def test_two_members_split_the_partitions_and_settle(engine: Engine, statements: list[str]) -> None:
-    a = PartitionLeases(engine, PARTITIONS, "a", ttl=10.0)
-    b = PartitionLeases(engine, PARTITIONS, "b", ttl=10.0)
-    conn_a, conn_b = _keep(engine), _keep(engine)
-    try:
-        assert a.refresh(conn_a) == ({0, 1, 2, 3}, set())  # alone: everything
-        acquired_b, _ = b.refresh(conn_b)
-        assert acquired_b == set()  # a holds its share and more: b waits for a's next round
-        assert a.refresh(conn_a) == (set(), {2, 3})  # a sees b and gives back the excess
-        assert b.refresh(conn_b) == ({2, 3}, set())
-        assert a.owned == {0, 1} and b.owned == {2, 3}
-        statements.clear()
-        assert a.refresh(conn_a) == (set(), set())
-        assert b.refresh(conn_b) == (set(), set())
-        if engine.dialect.name == "postgresql":
-            assert len(statements) == 2, statements  # settled: one statement per round
-        with engine.connect() as conn:
-            holders = dict(conn.execute(sa.select(scheduler_leases.c.partition, scheduler_leases.c.holder)).all())
-        assert holders == {0: "a", 1: "a", 2: "b", 3: "b"}
-    finally:
-        for c in (conn_a, conn_b):
-            if c is not None:
-                c.close()
+def test_two_members_split_the_partitions_and_settle(stores: Stores, statements: list[str]) -> None:
+    a, b = stores.member("a"), stores.member("b")
+    conn_a, conn_b = stores.kept(), stores.kept()
+    assert a.refresh(conn_a) == ({0, 1, 2, 3}, set())  # alone: everything
+    acquired_b, _ = b.refresh(conn_b)
+    assert acquired_b == set()  # a holds its share and more: b waits for a's next round
+    assert a.refresh(conn_a) == (set(), {2, 3})  # a sees b and gives back the excess
+    assert b.refresh(conn_b) == ({2, 3}, set())
+    assert a.owned == {0, 1} and b.owned == {2, 3}
+    statements.clear()
+    assert a.refresh(conn_a) == (set(), set())
+    assert b.refresh(conn_b) == (set(), set())
+    if stores.kind == "postgresql":
+        assert len(statements) == 2, statements  # settled: one statement per round
+    if stores.kind == "redis":
+        assert statements == []  # the database is not asked at all
+    assert a.holders() == {0: "a", 1: "a", 2: "b", 3: "b"} == b.holders()
 
 
-def test_a_dead_members_partitions_are_taken_over(engine: Engine) -> None:
-    a = PartitionLeases(engine, PARTITIONS, "a", ttl=10.0)
-    b = PartitionLeases(engine, PARTITIONS, "b", ttl=10.0)
-    conn_a = _keep(engine)
-    try:
-        a.refresh(conn_a)
-        b.refresh()
-        a.refresh(conn_a)
-        b.refresh()
-        assert b.owned == {2, 3}
-        # b dies: its heartbeat and its leases age past the ttl.
-        past = a._now() - timedelta(seconds=60)
-        with engine.begin() as conn:
-            conn.execute(scheduler_members.update().where(scheduler_members.c.holder == "b")
-                         .values(heartbeat_at=past))
-            conn.execute(scheduler_leases.update().where(scheduler_leases.c.holder == "b")
-                         .values(expires_at=past))
-        assert a.refresh(conn_a) == ({2, 3}, set())
-        assert a.owned == {0, 1, 2, 3}
-        with engine.connect() as conn:
-            members = conn.execute(sa.select(scheduler_members.c.holder)).scalars().all()
-        assert members == ["a"]  # the dead member is removed
-    finally:
-        if conn_a is not None:
-            conn_a.close()
+def test_a_dead_members_partitions_are_taken_over(stores: Stores) -> None:
+    a, b = stores.member("a"), stores.member("b")
+    conn_a = stores.kept()
+    a.refresh(conn_a)
+    b.refresh()
+    a.refresh(conn_a)
+    b.refresh()
+    assert b.owned == {2, 3}
+    stores.age("b")  # b dies: its heartbeat and its leases age past the ttl
+    assert a.refresh(conn_a) == ({2, 3}, set())
+    assert a.owned == {0, 1, 2, 3}
+    assert stores.members() == ["a"]  # the dead member is removed
 
 
-def test_a_lease_taken_while_stalled_is_reported_lost(engine: Engine) -> None:
+def test_a_lease_taken_while_stalled_is_reported_lost(stores: Stores) -> None:
     """A member that stalled past its ttl finds a partition taken by another: the round must not call
     itself settled, and reports the partition lost."""
-    a = PartitionLeases(engine, PARTITIONS, "a", ttl=10.0)
-    conn_a = _keep(engine)
-    try:
-        a.refresh(conn_a)
-        assert a.owned == {0, 1, 2, 3}
-        past = a._now() - timedelta(seconds=60)  # a stalls past its ttl
-        with engine.begin() as conn:
-            conn.execute(scheduler_members.update().values(heartbeat_at=past))
-            conn.execute(scheduler_leases.update().values(expires_at=past))
-        b = PartitionLeases(engine, PARTITIONS, "b", ttl=10.0)
-        acquired_b, _ = b.refresh()
-        assert acquired_b == {0, 1, 2, 3}  # a is stale: b is alone and takes everything
-        assert a.refresh(conn_a) == (set(), {0, 1, 2, 3})  # a notices: not a settled round
-        assert a.owned == set()
-    finally:
-        if conn_a is not None:
-            conn_a.close()
+    a = stores.member("a")
+    conn_a = stores.kept()
+    a.refresh(conn_a)
+    assert a.owned == {0, 1, 2, 3}
+    stores.age()  # a stalls past its ttl
+    b = stores.member("b")
+    acquired_b, _ = b.refresh()
+    assert acquired_b == {0, 1, 2, 3}  # a is stale: b is alone and takes everything
+    assert a.refresh(conn_a) == (set(), {0, 1, 2, 3})  # a notices: not a settled round
+    assert a.owned == set()
+
+
+def test_release_all_hands_the_partitions_over_at_the_next_round(stores: Stores) -> None:
+    a, b = stores.member("a"), stores.member("b")
+    a.refresh(stores.kept())
+    b.refresh()
+    assert (a.owned, b.owned) == ({0, 1, 2, 3}, set())
+    a.release_all()
+    assert a.owned == set() and stores.members() == ["b"]
+    assert b.refresh() == ({0, 1, 2, 3}, set())  # no ttl to wait for
+    assert set(b.holders().values()) == {"b"}
+
+
+def test_three_members_never_share_a_partition(stores: Stores) -> None:
+    """Whatever order the rounds run in, no partition has two owners and, once everyone ran twice,
+    every partition is owned and nobody holds more than its share."""
+    members = [stores.member(h) for h in ("a", "b", "c")]
+    for order in ([0, 1, 2, 0, 1, 2], [2, 2, 1, 0, 0, 1, 2, 1, 0]):
+        for i in order:
+            members[i].refresh()
+            owned = [m.owned for m in members]
+            assert sum(len(o) for o in owned) == len(set().union(*owned))  # disjoint
+    assert set().union(*(m.owned for m in members)) == set(range(PARTITIONS))
+    assert max(len(m.owned) for m in members) <= 2  # ceil(4 / 3)

@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy.engine import Engine
-from support import wait_for
+from support import age_scheduler_member, wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.capture import remove_capture
@@ -35,7 +35,7 @@ from bridge.promotion import rollback
 from bridge.readiness import ready_predicate, ready_since
 from bridge.relay import Relay
 from bridge.routing import FixedRouter
-from bridge.schema import decisions, flag_audit, outbox, outbox_dead, relay_state, scheduler_members
+from bridge.schema import decisions, flag_audit, outbox, outbox_dead, relay_state
 from bridge.settings import (
     BusSettings,
     GateSettings,
@@ -46,7 +46,7 @@ from bridge.settings import (
 )
 from bridge.tasktable import TaskTable, reflect_tables
 from bridge.workload import TaskSpec, WorkflowSpec, seed
-from event_scheduler.leases import PartitionLeases
+from event_scheduler.leases import lease_store
 from event_scheduler.scheduler import EventScheduler
 
 PARTITIONS = 4
@@ -274,11 +274,29 @@ def test_relay_alive_needs_every_relay_partition(stack: Stack) -> None:
 
 # --- scheduler_alive ------------------------------------------------------------------------------------
 
-def test_scheduler_alive_follows_the_members_and_their_leases(stack: Stack) -> None:
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres),
+                        pytest.param("redis", marks=[pytest.mark.postgres, pytest.mark.redis])])
+def any_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """SQLite or PostgreSQL with the embedded bus (leases in the database), or PostgreSQL with Redis
+    (leases beside the bus)."""
+    kind = str(request.param)
+    url = str(request.getfixturevalue("sqlite_url" if kind == "sqlite" else "pg_url"))
+    engine = create_engine(url)
+    tables = reflect_tables(engine, TaskTableMapping())
+    _seed(engine, tables, ["known-0"], task=KNOWN)
+    settings = _settings(url) if kind != "redis" else _settings(
+        url, str(request.getfixturevalue("redis_server")), str(request.getfixturevalue("redis_namespace")))
+    yield Stack(url, engine, tables, settings, kind)
+    engine.dispose()
+
+
+def test_scheduler_alive_follows_the_members_and_their_leases(any_stack: Stack) -> None:
+    stack = any_stack
     passed, detail = stack.check("dual_write", "scheduler_alive")
     assert not passed and "no scheduler process is registered" in detail
 
-    leases = PartitionLeases(stack.engine, PARTITIONS, "host:1:aaa", ttl=2.0)
+    bus = stack.open_bus()
+    leases = lease_store(stack.engine, bus, "host:1:aaa", ttl=2.0)
     leases.refresh()
     passed, detail = stack.check("dual_write", "scheduler_alive")
     assert passed and f"holding all {PARTITIONS} bus partitions" in detail, detail
@@ -288,11 +306,9 @@ def test_scheduler_alive_follows_the_members_and_their_leases(stack: Stack) -> N
     passed, detail = stack.check("dual_write", "scheduler_alive", settings=more)
     assert not passed and f"{PARTITIONS}, {PARTITIONS + 1} of {PARTITIONS + 2}" in detail, detail
 
-    # Its heartbeat goes stale (a crashed process leaves its row behind).
-    old = datetime.now(UTC) - timedelta(seconds=30)
-    with stack.engine.begin() as conn:
-        conn.execute(scheduler_members.update().values(
-            heartbeat_at=old.replace(tzinfo=None) if stack.kind == "sqlite" else old))
+    # Its heartbeat goes stale (a crashed process leaves its record behind).
+    age_scheduler_member(stack.engine, bus, "host:1:aaa", 30)
+    bus.close()
     passed, detail = stack.check("dual_write", "scheduler_alive")
     assert not passed and "no scheduler process heartbeat within 4 s" in detail and "30." in detail, detail
 

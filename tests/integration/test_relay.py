@@ -14,8 +14,9 @@ from support import Env, wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.bus.abc import Delivery
+from bridge.leadership import ADVISORY_NAMESPACE
 from bridge.relay import Relay
-from bridge.schema import outbox, outbox_dead
+from bridge.schema import outbox, outbox_dead, relay_state
 from bridge.settings import RelaySettings
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
@@ -182,6 +183,106 @@ def test_standby_takes_over_when_the_active_relay_stops(env: Env, running: Calla
     wait_for(lambda: second.metrics.value("pollbridge_relay_published_total") == 4, 10, what="standby publishing")
     expected = outbox_event_ids(env)
     assert Audit(env.open_bus()).collect(expected) == expected
+
+
+def test_a_relay_whose_lock_connection_was_terminated_steps_down(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """The leader checks its advisory lock without a statement; a terminated lock connection is noticed
+    within one lease_timeout, the standby takes the partition over and nothing is lost."""
+    if not env.kind.startswith("postgresql"):
+        pytest.skip("SQLite relays lead by a lease row, not a session lock")
+    first = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    running(first)
+    wait_for(lambda: first.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 1, 10,
+             what="first relay to lead")
+    second = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    running(second)
+    add_tasks(env, "a", 3)
+    wait_for(lambda: first.metrics.value("pollbridge_relay_published_total") == 3, 10, what="first relay publishing")
+    with env.engine.connect() as conn:
+        killed = conn.execute(sa.text(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_locks "
+            "WHERE locktype = 'advisory' AND granted AND classid = :ns AND objid = 0 AND objsubid = 2 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"),
+            {"ns": ADVISORY_NAMESPACE}).scalar_one()
+    assert killed == 1
+    wait_for(lambda: first.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 0, 10,
+             what="the first relay to notice it lost its lock")
+    wait_for(lambda: 1 in {r.metrics.value("pollbridge_relay_leader", {"partition": "0"}) for r in (first, second)},
+             10, what="a relay to lead again")
+    add_tasks(env, "b", 4)
+    wait_for(lambda: first.metrics.value("pollbridge_relay_published_total")
+             + second.metrics.value("pollbridge_relay_published_total") == 7, 10, what="the new rows published")
+    expected = outbox_event_ids(env)
+    assert len(expected) == 7 and Audit(env.open_bus()).collect(expected) == expected
+
+
+def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """Idle, the relay's only statement on PostgreSQL is its fallback probe (the claim): no purge while
+    nothing can have expired, no leadership check by statement. On SQLite, no purge either."""
+    settings = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
+                             lease_timeout=0.2, purge_interval=0.05, retention=3600)
+    add_tasks(env, "a", 3)
+    relay = Relay(env.engine, env.open_bus(), settings, statuses=env.tables.mapping.statuses)
+    running(relay)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 3, 10, what="the rows published")
+    # Settled: it purged once before publishing (nothing had expired), published, and (PostgreSQL) armed
+    # its wake-up, the last statement before idling.
+    if env.kind.startswith("postgresql"):
+        wait_for(lambda: _armed(env), 10, what="the relay to arm its wake-up")
+    statements: list[str] = []
+
+    def seen(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        statements.append(statement)
+
+    lock_backend = _lock_backend_state(env)
+    sa.event.listen(env.engine, "before_cursor_execute", seen)
+    try:
+        threading.Event().wait(1.5)  # a measurement window: 30 purge intervals, 7 lease checks, 7 probes
+    finally:
+        sa.event.remove(env.engine, "before_cursor_execute", seen)
+    probes = [s for s in statements if s.lstrip().upper().startswith("UPDATE POLLBRIDGE_OUTBOX")]
+    assert probes, "the fallback probe did not run"
+    assert not [s for s in statements if s.lstrip().upper().startswith("DELETE")]  # no purge: nothing expired
+    if env.kind.startswith("postgresql"):  # SQLite has no NOTIFY (it polls) and leads by a lease row it renews
+        assert len(probes) <= 1.5 / 0.2 + 2  # one a fallback_interval
+        assert statements == probes, [s.split()[0:3] for s in statements if s not in probes]
+        assert _lock_backend_state(env) == lock_backend  # the lock's connection was sent nothing
+
+
+def test_a_running_relay_purges_what_passes_the_retention_window_when_it_does(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """The purge is scheduled by the oldest row kept, not skipped: rows published in two waves go in two
+    purges, each once its rows are past the window, and the outbox is empty with the relay idle since."""
+    settings = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
+                             lease_timeout=1.0, purge_interval=0.05, retention=0.5)
+    relay = Relay(env.engine, env.open_bus(), settings, statuses=env.tables.mapping.statuses)
+    running(relay)
+    add_tasks(env, "first", 3)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 3, 10, what="the first wave")
+    add_tasks(env, "second", 2)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 5, 10, what="the second wave")
+    wait_for(lambda: relay.metrics.value("pollbridge_outbox_purged_total") == 5, 10,
+             what="both waves purged after the retention window")
+    assert outbox_event_ids(env) == set()
+
+
+def _armed(env: Env) -> bool:
+    with env.engine.connect() as conn:
+        return bool(conn.execute(sa.select(relay_state.c.armed).where(relay_state.c.relay_partition == 0)).scalar())
+
+
+def _lock_backend_state(env: Env) -> object:
+    """When the connection holding the relay's advisory lock last changed state (None on SQLite)."""
+    if not env.kind.startswith("postgresql"):
+        return None
+    with env.engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT a.state_change FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :ns AND l.objid = 0 AND l.objsubid = 2 "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"),
+            {"ns": ADVISORY_NAMESPACE}).scalar_one()
 
 
 def test_probe_reports_backlog_and_age(env: Env) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 from unittest import mock
 
@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import Env, StackContext
+from support import Env, StackContext, age_scheduler_member
 
 from bridge.bus import EventBus
 from bridge.bus.abc import Delivery
@@ -315,14 +315,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         old = self.sched
         if crash:
             # Its leases and heartbeat are left behind; let them be as old as an expired lease would be.
-            past = datetime.now(UTC) - timedelta(hours=1)
-            if self.engine.dialect.name == "sqlite":
-                past = past.replace(tzinfo=None)
-            with self.engine.begin() as conn:
-                conn.execute(scheduler_leases.update().where(scheduler_leases.c.holder == old.holder)
-                             .values(expires_at=past))
-                conn.execute(scheduler_members.update().where(scheduler_members.c.holder == old.holder)
-                             .values(heartbeat_at=past))
+            age_scheduler_member(self.engine, old.bus, old.holder, 3600)
         else:
             old.leases.release_all()
         self.sched = self._new_scheduler()

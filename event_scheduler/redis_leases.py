@@ -1,0 +1,144 @@
+"""Partition leases kept in Redis, beside the bus they divide (the scheduler's choice when the bus is
+Redis Streams).
+
+The same rules as :mod:`event_scheduler.leases` (heartbeat, fair share ``ceil(partitions / live
+members)``, renew, give back the excess, take free or expired partitions), but a round is one Lua
+script, atomic on the server and timed by the server's clock, so every process compares the same
+clock. Why here and not in the database: an idle scheduler's round then costs its database nothing;
+the event path's only idle statement is the relay's fallback probe.
+
+Layout (:class:`bridge.bus.keys.BusKeys`): ``scheduler_members`` is a sorted set of holders scored by
+their last heartbeat in ms; ``scheduler_leases`` a hash ``partition -> "<expires_ms> <holder>"``.
+Losing them (a Redis restart without persistence) frees every partition: each scheduler takes its
+share again on its next round, as after a takeover, and catches up from the database.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from bridge.bus.keys import BusKeys
+
+if TYPE_CHECKING:
+    from event_scheduler.leases import LeaseSnapshot
+
+#: One round. KEYS: members, leases. ARGV: holder, ttl in ms, partitions. Returns the partitions held
+#: after the round, in order.
+ROUND_LUA = """
+local members, leases = KEYS[1], KEYS[2]
+local me, ttl, parts = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', members, now, me)
+redis.call('ZREMRANGEBYSCORE', members, '-inf', '(' .. (now - ttl))
+local share = math.ceil(parts / math.max(redis.call('ZCARD', members), 1))
+local mine, free = {}, {}
+for p = 0, parts - 1 do
+  local v = redis.call('HGET', leases, p)
+  if v then
+    local sp = string.find(v, ' ', 1, true)
+    local expires, holder = tonumber(string.sub(v, 1, sp - 1)), string.sub(v, sp + 1)
+    if holder == me then
+      table.insert(mine, p)
+    elseif expires < now then
+      table.insert(free, p)
+    end
+  else
+    table.insert(free, p)
+  end
+end
+local held = {}
+for i, p in ipairs(mine) do
+  if i <= share then
+    table.insert(held, p)
+  else
+    redis.call('HDEL', leases, p)
+  end
+end
+for _, p in ipairs(free) do
+  if #held >= share then break end
+  table.insert(held, p)
+end
+table.sort(held)
+local value = (now + ttl) .. ' ' .. me
+for _, p in ipairs(held) do
+  redis.call('HSET', leases, p, value)
+end
+return held
+"""
+
+#: Give everything back. KEYS: members, leases. ARGV: holder, partitions.
+RELEASE_LUA = """
+local me = ARGV[1]
+for p = 0, tonumber(ARGV[2]) - 1 do
+  local v = redis.call('HGET', KEYS[2], p)
+  if v and string.sub(v, string.find(v, ' ', 1, true) + 1) == me then
+    redis.call('HDEL', KEYS[2], p)
+  end
+end
+redis.call('ZREM', KEYS[1], me)
+return 0
+"""
+
+
+class RedisPartitionLeases:
+    """:class:`event_scheduler.protocols.PartitionLeaseStore` on Redis (one script per round)."""
+
+    def __init__(self, client: redis.Redis[Any], keys: BusKeys, partitions: int, holder: str, ttl: float) -> None:
+        self.client = client
+        self.keys = keys
+        self.partitions = partitions
+        self.holder = holder
+        self.ttl = ttl
+        self.owned: set[int] = set()
+        self._round = client.register_script(ROUND_LUA)
+        self._release = client.register_script(RELEASE_LUA)
+
+    def _keys(self) -> list[str]:
+        return [self.keys.scheduler_members, self.keys.scheduler_leases]
+
+    def refresh(self, conn: object = None) -> tuple[set[int], set[int]]:
+        """Heartbeat, renew, rebalance in one script. ``conn`` is accepted for the database store's
+        signature and not used."""
+        before = set(self.owned)
+        held = self._round(keys=self._keys(), args=[self.holder, max(1, int(self.ttl * 1000)), self.partitions])
+        self.owned = {int(p) for p in held}
+        return self.owned - before, before - self.owned
+
+    def release_all(self) -> None:
+        self._release(keys=self._keys(), args=[self.holder, self.partitions])
+        self.owned = set()
+
+    def holders(self) -> dict[int, Any]:
+        out: dict[int, Any] = {p: None for p in range(self.partitions)}
+        for field, value in self.client.hgetall(self.keys.scheduler_leases).items():
+            out[int(field)] = _text(value).split(" ", 1)[1]
+        return out
+
+
+def read_snapshot(client: redis.Redis[Any], keys: BusKeys) -> LeaseSnapshot:
+    """Members and leases as recorded, with Redis's clock as ``now`` (read only)."""
+    from event_scheduler.leases import LeaseSnapshot
+
+    with client.pipeline(transaction=True) as pipe:
+        pipe.time()
+        pipe.zrange(keys.scheduler_members, 0, -1, withscores=True)
+        pipe.hgetall(keys.scheduler_leases)
+        (secs, micros), members, leases = pipe.execute()
+    leased: dict[int, tuple[str | None, datetime | None]] = {}
+    for field, value in leases.items():
+        expires, holder = _text(value).split(" ", 1)
+        leased[int(field)] = (holder, _at(float(expires)))
+    return LeaseSnapshot(now=_at(int(secs) * 1000 + int(micros) / 1000),
+                         members={_text(m): _at(score) for m, score in members}, leases=leased)
+
+
+def _at(ms: float) -> datetime:
+    return datetime.fromtimestamp(ms / 1000.0, UTC)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
