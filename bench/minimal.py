@@ -18,7 +18,10 @@ For each, the bench process completes dispatched (queued) tasks at ``--rate`` pe
 ``dispatched_at`` of a task minus ``completed_at`` of its predecessor, for predecessors completed in the
 window, computed in SQL (nearest rank). The two alternate ``--rounds`` times, so load from outside falls
 on both alike. Then each is driven flat out for ``--throughput-seconds``: completions + dispatches per
-second. The ratio pollbridge / minimal is the "within 2x of a minimal pipeline" target.
+second. The ratio pollbridge / minimal is the "within 2x of a minimal pipeline" target. The minimal
+pipeline's processes are stopped (SIGSTOP) through pollbridge's windows: its relay polls every 2 ms even
+when idle and would otherwise load the machine pollbridge is measured on; pollbridge's idle processes
+(one statement a second) stay up through the minimal's windows.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -268,6 +272,19 @@ def window(p: Pipeline, children: pc.Children, rate: float | None, seconds: floa
             "latency": p.latency(t0, t1), **load.stop()}
 
 
+@contextlib.contextmanager
+def paused(children: pc.Children | None) -> Iterator[None]:
+    """``children`` stopped (SIGSTOP) for the block, continued after (None: nothing to stop)."""
+    pids = [c.proc.pid for c in children.items] if children is not None else []
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 def start_minimal(url: str, workdir: Path, namespace: str) -> tuple[Minimal, pc.Children]:
     with psycopg.connect(pc.libpq(url), autocommit=True) as conn:
         conn.execute(MINIMAL_SCHEMA)
@@ -341,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                 for n in range(args.rounds):
                     order = pipelines if n % 2 == 0 else pipelines[::-1]
                     for p, children in order:
-                        r = window(p, children, args.rate, args.seconds)
+                        # The minimal relay polls its outbox every 2 ms even when idle: left running through
+                        # pollbridge's window it would load the machine pollbridge is measured on. (Pollbridge's
+                        # idle processes send one statement a second, so they stay up through the minimal's.)
+                        with paused(mchildren if p is pollbridge else None):
+                            r = window(p, children, args.rate, args.seconds)
                         r["round"] = n + 1
                         results["rounds"].append(r)
                         lat = r["latency"]
@@ -351,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                               flush=True)
                 if args.throughput_seconds:
                     for p, children in pipelines:
-                        r = window(p, children, None, args.throughput_seconds)
+                        with paused(mchildren if p is pollbridge else None):
+                            r = window(p, children, None, args.throughput_seconds)
                         results["throughput"].append(r)
                         print(f"flat out {p.name:>10}: {r['completions_per_s']} completions/s, "
                               f"{r['transitions_per_s']} transitions/s; load {r['load_after']}, "
