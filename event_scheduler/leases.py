@@ -1,4 +1,8 @@
-"""Partition leases: which scheduler process consumes which bus partition.
+"""Partition leases in the database: which scheduler process consumes which bus partition.
+
+This is the store that goes with the embedded bus; with Redis Streams the leases live beside the bus
+(:mod:`event_scheduler.redis_leases`). :func:`lease_store` picks one, :func:`lease_snapshot` reads
+either; both keep :class:`event_scheduler.protocols.PartitionLeaseStore`'s contract.
 
 Each process heartbeats in ``pollbridge_scheduler_members`` and holds at most its fair share,
 ``ceil(partitions / live members)``, of rows in ``pollbridge_scheduler_leases``, renewing them every
