@@ -4,8 +4,8 @@ The migration scripts live in the top-level ``migrations`` package and are found
 ``importlib.resources``, never through a path relative to the working directory. Alembic's
 version table is ``pollbridge_alembic_version`` so it cannot collide with the user's own Alembic.
 
-Alembic is imported by the functions that use it: it is a third of the CLI's start-up time, and most
-commands (``flags``, ``signal``, ``status``, ``relay run``, ...) never migrate.
+Alembic is imported by the functions that use it: it is about a quarter of the CLI's start-up time,
+and most commands (``flags``, ``signal``, ``status``, ``relay run``, ...) never read or run migrations.
 """
 
 from __future__ import annotations

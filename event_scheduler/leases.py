@@ -32,6 +32,7 @@ from sqlalchemy.engine import Connection, Engine
 from bridge.bus.abc import EventBus
 from bridge.db import read_only
 from bridge.schema import scheduler_leases, scheduler_members
+from bridge.verify import as_utc
 from event_scheduler.protocols import PartitionLeaseStore
 
 #: The settled round's one statement (PostgreSQL): heartbeat and renew, then the facts that decide
@@ -192,11 +193,5 @@ def lease_snapshot(engine: Engine, bus: EventBus | None) -> LeaseSnapshot:
         leases = conn.execute(sa.select(lc.partition, lc.holder, lc.expires_at)).all()
     return LeaseSnapshot(
         now=datetime.now(UTC),
-        members={str(m.holder): t for m in members if (t := _aware(m.heartbeat_at)) is not None},
-        leases={int(r.partition): (r.holder, _aware(r.expires_at)) for r in leases})
-
-
-def _aware(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        members={str(m.holder): t for m in members if (t := as_utc(m.heartbeat_at)) is not None},
+        leases={int(r.partition): (r.holder, as_utc(r.expires_at)) for r in leases})

@@ -113,10 +113,8 @@ class RedisPartitionLeases:
         self.owned = set()
 
     def holders(self) -> dict[int, Any]:
-        out: dict[int, Any] = {p: None for p in range(self.partitions)}
-        for field, value in self.client.hgetall(self.keys.scheduler_leases).items():
-            out[int(field)] = _text(value).split(" ", 1)[1]
-        return out
+        leased = read_snapshot(self.client, self.keys).leases
+        return {p: leased.get(p, (None, None))[0] for p in range(self.partitions)}
 
 
 def read_snapshot(client: redis.Redis[Any], keys: BusKeys) -> LeaseSnapshot:
