@@ -68,7 +68,7 @@ def test_two_pollers_racing_never_double_dispatch(engine: Engine, tables: TaskTa
 
 
 def test_due_time_and_signal_gate_dispatch(engine: Engine, tables: TaskTable) -> None:
-    spec = WorkflowSpec("gated", "orders", (TaskSpec("timer", due_in=0.6), TaskSpec("approval", awaits_signal="ok")))
+    spec = WorkflowSpec("gated", "orders", (TaskSpec("timer", due_in=1.5), TaskSpec("approval", awaits_signal="ok")))
     with engine.begin() as conn:
         seed(conn, tables, [spec])
     poller = LegacyPoller(engine, tables)

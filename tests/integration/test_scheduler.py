@@ -155,7 +155,7 @@ def test_due_timer_fires_without_a_scan(env: Env, stack: Stack) -> None:
     stack.relay()
     sched = stack.scheduler("cutover")
     with env.engine.begin() as conn:
-        seed(conn, env.tables, [WorkflowSpec("timed", "orders", (TaskSpec("later", due_in=0.8),))])
+        seed(conn, env.tables, [WorkflowSpec("timed", "orders", (TaskSpec("later", due_in=2.0),))])
     wait_for(lambda: _paths(env).get("events") == 1, 15, what="the timer task to be dispatched")
     assert sched.metrics.value("pollbridge_scheduler_timers_fired_total", {"kind": "due"}) >= 1
     with env.engine.connect() as conn:

@@ -426,7 +426,9 @@ def test_timers_of_a_crashed_scheduler_are_rebuilt_by_the_catch_up(env: Env, req
     m = SchedulerMachine(Context(env, redis_url))
     try:
         m.add_instance((TaskSpec("flaky"),), "orders")
-        m.add_instance((TaskSpec("later", due_in=0.6),), "orders")
+        # Due well after the restart even on a loaded machine: a timer that is already due when the
+        # successor catches up is dispatched at once instead of rebuilt (0.6 s was too short under CI load).
+        m.add_instance((TaskSpec("later", due_in=3.0),), "orders")
         m.deliver(publish_first=True, mode="normal")
         assert len(_dispatched(m)) == 1, "the task that is ready at once is dispatched"
         assert len(m.sched.timers) == 1  # "later" has a due timer
