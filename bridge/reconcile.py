@@ -308,13 +308,12 @@ def kinds_sql(engine: Engine, dialect_name: str, per: sa.FromClause, until: date
     action_at = sa.func.coalesce(c.events_at, c.fallback_at, c.poller_at, c.decision_at)
     return sa.select(
         c.task_id, c.attempt, c.workflow_type, kind.label("kind"), path.label("path"),
-        sa.type_coerce(millis_between(d, c.ready_at, action_at), sa.Float).label("latency_ms"),
         sa.type_coerce(millis_between(d, c.ready_at, c.poller_at), sa.Float).label("poller_ms"),
         sa.type_coerce(millis_between(d, c.ready_at, sa.func.coalesce(c.events_at, c.decision_at)),
                        sa.Float).label("events_ms"),
         sa.type_coerce(millis_between(d, c.ready_at, c.fallback_at), sa.Float).label("fallback_ms"),
         sa.type_coerce(millis_between(d, c.facts_ready, c.first_at), sa.Float).label("after_facts_ms"),
-        c.dispatches, c.phase, c.ready_at, action_at.label("action_at"), c.facts_ready,
+        c.dispatches, c.phase, action_at.label("action_at"),
     )
 
 
@@ -409,16 +408,23 @@ def counts_from(conn: Connection, tt: TaskTable, kinds: sa.FromClause, *, types:
     for workflow_type, kind, n in conn.execute(grouped):
         out.setdefault(workflow_type or "", {})[kind] = int(n)
     if include_unacted:
-        phases = current_phases(conn)
-        unacted = unacted_sql(tt, types, tolerance).subquery()
-        for workflow_type, kind, n in conn.execute(
-                sa.select(unacted.c.workflow_type, unacted.c.kind, sa.func.count())
-                .group_by(unacted.c.workflow_type, unacted.c.kind)):
-            if not control and phases.get(workflow_type, "polling") == "polling":
-                continue
-            bucket = out.setdefault(workflow_type or "", {})
-            bucket[kind] = bucket.get(kind, 0) + int(n)
+        add_unacted(conn, tt, out, types=types, tolerance=tolerance, control=control)
     return {name: TypeCounts(name, counts) for name, counts in sorted(out.items())}
+
+
+def add_unacted(conn: Connection, tt: TaskTable, out: dict[str, dict[str, int]], *, types: Sequence[str] | None,
+                tolerance: float, control: bool) -> None:
+    """Add to ``out`` (type -> kind -> count) the tasks ready now that no path dispatched (see
+    :func:`count_by_type`)."""
+    phases = current_phases(conn)
+    unacted = unacted_sql(tt, types, tolerance).subquery()
+    for workflow_type, kind, n in conn.execute(
+            sa.select(unacted.c.workflow_type, unacted.c.kind, sa.func.count())
+            .group_by(unacted.c.workflow_type, unacted.c.kind)):
+        if not control and phases.get(workflow_type, "polling") == "polling":
+            continue
+        bucket = out.setdefault(workflow_type or "", {})
+        bucket[kind] = bucket.get(kind, 0) + int(n)
 
 
 PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))

@@ -33,9 +33,10 @@ from bridge.reconcile import (
     COMPARED,
     KINDS,
     PhaseSpan,
+    TypeCounts,
+    add_unacted,
     bind_time,
     classified,
-    counts_from,
     current_phases,
     latency_by_type,
     miss_rate_upper,
@@ -152,13 +153,14 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
     step("classifying")
     with classified(engine, tt, since, until, types=types, objective=settings.objective,
                     tolerance=settings.tolerance, spans=spans, control=control) as (conn, kinds):
-        counts = counts_from(conn, tt, kinds, types=types, tolerance=settings.tolerance, include_unacted=ends_now,
-                             control=control)
+        step("counts, histograms and timelines")
+        grid = _grid(conn, engine, tt, kinds, since, until)
+        if ends_now:
+            add_unacted(conn, tt, grid.counts, types=types, tolerance=settings.tolerance, control=control)
+        counts = {name: TypeCounts(name, n) for name, n in sorted(grid.counts.items())}
+        histograms, timelines = grid.histograms, grid.timelines
         step("latency percentiles")
         latency = latency_by_type(conn, kinds)
-        step("histograms")
-        histograms = _histograms(conn, kinds)
-        timelines = _timelines(conn, engine, tt, kinds, since, until)
         step("mismatches")
         mismatches, truncated = _mismatches(conn, tt, kinds, types, settings, ends_now, control, mismatch_limit)
     names = sorted(set(counts) | ({*types} if types else set()))
@@ -179,38 +181,60 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
     return Report(since, until, tuple(reports), tuple(mismatches), changes, control, truncated)
 
 
-def _histograms(conn: Connection, kinds: sa.FromClause) -> dict[str, dict[str, list[int]]]:
-    """Per type and path, the cumulative count at each edge of :data:`HISTOGRAM_EDGES_MS`, then the total:
-    every path in one scan of the classification."""
-    c = kinds.c
-    paths = (("poller", c.poller_ms), ("events", c.events_ms), ("fallback", c.fallback_ms))
-    cols: list[sa.ColumnElement[Any]] = []
-    for _, column in paths:
-        cols.extend(sa.func.sum(sa.case((column <= edge, 1), else_=0)) for edge in HISTOGRAM_EDGES_MS)
-        cols.append(sa.func.count(column))
-    out: dict[str, dict[str, list[int]]] = {}
-    width = len(HISTOGRAM_EDGES_MS) + 1
-    for row in conn.execute(sa.select(c.workflow_type, *cols).group_by(c.workflow_type)):
-        values = [int(v or 0) for v in list(row)[1:]]
-        for i, (path, _) in enumerate(paths):
-            counts = values[i * width:(i + 1) * width]
-            if counts[-1]:
-                out.setdefault(row[0] or "", {})[path] = counts
-    return out
+@dataclass
+class _Grid:
+    """What one scan of the classification gives: counts per kind, latency histograms, actions over time."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)  # type -> kind -> n
+    histograms: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # type -> path -> cumulative
+    timelines: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # type -> path -> per bucket
 
 
-def _timelines(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause, since: datetime,
-               until: datetime) -> dict[str, dict[str, list[int]]]:
+def _latency_bucket(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    """The index of the first edge of :data:`HISTOGRAM_EDGES_MS` at or above ``column`` (past the last
+    edge: their count; NULL stays NULL). A CASE rather than ``width_bucket``: the same on both dialects,
+    and an edge's own value counts at that edge, as a cumulative histogram needs."""
+    whens = [(column <= edge, i) for i, edge in enumerate(HISTOGRAM_EDGES_MS)]
+    return sa.case((column.is_(None), sa.null()), *whens, else_=len(HISTOGRAM_EDGES_MS))
+
+
+def _grid(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause, since: datetime,
+          until: datetime) -> _Grid:
+    """Counts, histograms and timelines in one scan of the classification: grouped by type, kind, path,
+    time bucket and each path's latency bucket (a few thousand groups at most), then added up here.
+
+    Three scans (one per result) took 1.5 s at a million tasks; this one takes about a third of that."""
     c = kinds.c
     width_ms = max((until - since).total_seconds() * 1000.0 / TIMELINE_BUCKETS, 1.0)
     offset = millis_between(tt.dialect_name, sa.literal(bind_time(engine, since)), c.action_at)
-    bucket = sa.cast(offset / width_ms, sa.Integer)
-    q = sa.select(c.workflow_type, c.path, bucket.label("b"), sa.func.count()).group_by(c.workflow_type, c.path, bucket)
-    out: dict[str, dict[str, list[int]]] = {}
-    for name, path, b, n in conn.execute(q):
-        series = out.setdefault(name or "", {}).setdefault(path, [0] * TIMELINE_BUCKETS)
-        series[min(max(int(b or 0), 0), TIMELINE_BUCKETS - 1)] += int(n)
-    return out
+    # PostgreSQL's cast to integer rounds, SQLite's truncates: floor first, so a bucket is [start, end).
+    position = offset / width_ms
+    bucket = sa.cast(sa.func.floor(position) if tt.dialect_name == "postgresql" else position, sa.Integer)
+    keys = [c.workflow_type, c.kind, c.path, bucket,
+            _latency_bucket(c.poller_ms), _latency_bucket(c.events_ms), _latency_bucket(c.fallback_ms)]
+    labelled = [k.label(f"k{i}") for i, k in enumerate(keys)]
+    inner = sa.select(*labelled).subquery("pb_grid")
+    q = sa.select(*inner.c, sa.func.count()).group_by(*inner.c)
+    grid = _Grid()
+    width = len(HISTOGRAM_EDGES_MS) + 1
+    for name, kind, path, b, *buckets, n in conn.execute(q):
+        name = name or ""
+        n = int(n)
+        per_type = grid.counts.setdefault(name, {})
+        per_type[kind] = per_type.get(kind, 0) + n
+        series = grid.timelines.setdefault(name, {}).setdefault(path, [0] * TIMELINE_BUCKETS)
+        series[min(max(int(b or 0), 0), TIMELINE_BUCKETS - 1)] += n
+        for hist_path, bucket in zip(("poller", "events", "fallback"), buckets, strict=True):
+            if bucket is not None:
+                grid.histograms.setdefault(name, {}).setdefault(hist_path, [0] * width)[int(bucket)] += n
+    for per_path in grid.histograms.values():
+        for path, counts in per_path.items():
+            cumulative, total = [], 0
+            for j in range(len(HISTOGRAM_EDGES_MS)):
+                total += counts[j]
+                cumulative.append(total)
+            per_path[path] = [*cumulative, total + counts[-1]]
+    return grid
 
 
 def _ms(value: Any) -> str:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,12 @@ from bridge.flag_router import FlagRouter
 from bridge.flags import FlagStore
 from bridge.promotion import db_clock
 from bridge.relay import Relay
-from bridge.report import Report, build_report, parse_when
+from bridge.report import HISTOGRAM_EDGES_MS, TIMELINE_BUCKETS, Report, build_report, parse_when
 from bridge.report_html import render_html
 from bridge.schema import decisions, dispatch_log, flag_audit, flags
 from bridge.settings import GateSettings, RelaySettings, SchedulerSettings, WorkerSettings
 from bridge.tasktable import TaskTable
-from bridge.verify import percentile
+from bridge.verify import as_utc, percentile
 from bridge.workload import TaskSpec, WorkflowSpec, seed
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
@@ -156,6 +156,58 @@ def test_the_report_sees_both_paths_over_a_walk_through_the_phases(drive: Drive)
     assert set(json_form["types"][0]) >= {"workflow_type", "phase", "tasks", "matched", "missing", "extra",
                                           "duplicate", "early", "late", "pending", "latency_ms",
                                           "miss_rate_upper_95", "verdict", "failed_criteria"}
+
+
+def test_histograms_and_timelines_count_every_first_action(drive: Drive) -> None:
+    """The chart's data, recomputed here from the dispatch log and the decisions: per path, the cumulative
+    count of first actions at or under each latency edge, and the first actions per time bucket."""
+    start, end = _walk(drive)
+    with drive.engine.connect() as conn:
+        rows = [(r.task_id, r.attempt, r.path, r.ready_at, r.at) for r in conn.execute(
+            sa.select(dispatch_log.c.task_id, dispatch_log.c.attempt, dispatch_log.c.path, dispatch_log.c.ready_at,
+                      dispatch_log.c.dispatched_at.label("at")))]
+        rows += [(r.task_id, r.attempt, "decision", r.ready_at, r.at) for r in conn.execute(
+            sa.select(decisions.c.task_id, decisions.c.attempt, decisions.c.ready_at,
+                      decisions.c.decided_at.label("at")))]
+    firsts: dict[tuple[str, int], dict[str, Any]] = {}
+    for task_id, attempt, kind, ready_at, at in rows:
+        f = firsts.setdefault((task_id, attempt), {})
+        f[kind] = min(f.get(kind, at), at)
+        f["ready"] = min(f.get("ready", ready_at), ready_at)
+
+    sqlite = drive.engine.dialect.name == "sqlite"
+
+    def utc(value: Any) -> datetime:
+        stamp = as_utc(value)
+        assert stamp is not None
+        if sqlite:  # SQLite's date functions round a time to the millisecond
+            stamp = stamp.replace(microsecond=0) + timedelta(milliseconds=int(stamp.microsecond / 1000 + 0.5))
+        return stamp
+
+    def ms(f: dict[str, Any], *kinds: str) -> float | None:
+        at = next((f[k] for k in kinds if k in f), None)
+        return None if at is None else (utc(at) - utc(f["ready"])).total_seconds() * 1000.0
+
+    expected_hist: dict[str, list[int]] = {}
+    expected_timeline: dict[str, list[int]] = {}
+    width_s = (end - start).total_seconds() / TIMELINE_BUCKETS
+    for f in firsts.values():
+        for path, value in (("poller", ms(f, "poller")), ("events", ms(f, "events", "decision")),
+                            ("fallback", ms(f, "fallback"))):
+            if value is not None:
+                hist = expected_hist.setdefault(path, [0] * (len(HISTOGRAM_EDGES_MS) + 1))
+                for j, edge in enumerate(HISTOGRAM_EDGES_MS):
+                    hist[j] += value <= edge
+                hist[-1] += 1
+        path = next(p for p in ("events", "fallback", "poller", "decision") if p in f)
+        at = utc(f[path])
+        since = utc(start.replace(microsecond=start.microsecond // 1000 * 1000))  # bound as text to the ms
+        bucket = min(int((at - since).total_seconds() // width_s), TIMELINE_BUCKETS - 1)
+        expected_timeline.setdefault(path, [0] * TIMELINE_BUCKETS)[bucket] += 1
+    (orders,) = _report(drive, start, end).types
+    assert orders.histogram == expected_hist
+    assert orders.timeline == expected_timeline
+    assert sum(map(sum, orders.timeline.values())) == orders.counts["poller"] + orders.counts["matched"]
 
 
 def test_planted_misses_and_violations_are_classified_and_explained(drive: Drive) -> None:
