@@ -45,7 +45,7 @@ import psycopg
 import redis
 
 from bench import _paths_common as pc
-from bench.common import REDIS_URL, delete_namespace, scratch_database, write_json
+from bench.common import REDIS_URL, WORKER_QUEUE_INDEX, delete_namespace, scratch_database, write_json
 from bridge import install
 from bridge.bus import open_bus
 from bridge.db import create_engine
@@ -222,6 +222,7 @@ class Pollbridge(Pipeline):
                          "SELECT 'c' || g, 't' || k, CASE WHEN k = 0 THEN '[]' "
                          "ELSE json_build_array('t' || (k - 1)) END FROM generate_series(%s::int, %s::int) g, "
                          "generate_series(0, %s::int - 1) k", (a, b, CHAIN))
+            conn.execute(WORKER_QUEUE_INDEX)  # what mtasks_queued is to the minimal pipeline
             conn.execute("ANALYZE tasks, workflow_instances")
         self.seeded += instances
 

@@ -54,7 +54,15 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.common import REDIS_URL, delete_namespace, latency_summary, machine, scratch_database, write_json
+from bench.common import (
+    REDIS_URL,
+    WORKER_QUEUE_INDEX,
+    delete_namespace,
+    latency_summary,
+    machine,
+    scratch_database,
+    write_json,
+)
 from bridge import install
 from bridge.bus import open_bus
 from bridge.db import create_engine
@@ -205,6 +213,7 @@ def analyze(engine: sa.Engine) -> None:
     the statistics of an empty table PostgreSQL may plan the dispatch compare-and-set (``id = ANY(...) AND
     status = 'pending' AND ...``) with a bitmap of the status index, which reads every pending task."""
     with engine.connect() as conn:
+        conn.execute(sa.text(WORKER_QUEUE_INDEX))
         conn.execute(sa.text("ANALYZE tasks, workflow_instances"))
         conn.commit()
 

@@ -42,10 +42,10 @@ import re
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from bridge.bus.abc import DeadLetter, Delivery, EventBus
 from bridge.bus.keys import FIELD_ID, FIELD_PAYLOAD, BusKeys
@@ -147,11 +147,31 @@ class RedisStreamsBus(EventBus):
         for event in events:
             by_partition.setdefault(self.partition_of(event), []).extend((event.id, event.to_json()))
         maxlen = "" if self._maxlen is None else str(self._maxlen)
+        batches = [(self.keys.stream(partition), [FIELD_ID, FIELD_PAYLOAD, maxlen, *args])
+                   for partition, args in by_partition.items()]
+        # EVALSHA straight in the pipeline: a registered script in a pipeline costs a SCRIPT EXISTS round
+        # trip on every execute (redis-py's load_scripts), a third of the relay's time per batch. A
+        # script cache that was flushed (a restarted Redis) answers NOSCRIPT without running anything:
+        # load the script and run those batches again.
+        failed = self._evalsha_batches(batches)
+        if failed:
+            cast(Any, self._client).script_load(_XADD_BATCH)  # redis-py leaves it untyped
+            failed = self._evalsha_batches(failed)
+            if failed:
+                raise NoScriptError(f"bus {self._display}: the batch script vanished again right after loading")
+
+    def _evalsha_batches(self, batches: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+        """Run the batch script on each (stream, args) in one pipeline; return those that found no script."""
         pipe = self._client.pipeline(transaction=False)
-        for partition, args in by_partition.items():
-            self._xadd_batch(keys=[self.keys.stream(partition)], args=[FIELD_ID, FIELD_PAYLOAD, maxlen, *args],
-                             client=pipe)
-        pipe.execute()
+        for stream, args in batches:
+            pipe.evalsha(self._xadd_batch.sha, 1, stream, *args)
+        failed = []
+        for batch, result in zip(batches, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(result, NoScriptError):
+                failed.append(batch)
+            elif isinstance(result, Exception):
+                raise result
+        return failed
 
     def memory_pressure(self) -> float | None:
         info = self._client.info("memory")

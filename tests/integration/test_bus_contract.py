@@ -668,6 +668,25 @@ def test_redis_data_loss_changes_the_epoch_and_read_recreates_the_group(redis_se
 
 
 @pytest.mark.redis
+def test_redis_publish_survives_a_flushed_script_cache_and_adds_each_event_once(redis_server: str,
+                                                                                 redis_namespace: str) -> None:
+    """The batch script runs by EVALSHA; a Redis that lost its script cache (a restart) answers NOSCRIPT
+    without running anything, and the publish loads the script and runs every batch once more."""
+    bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace)
+    try:
+        bus.ensure_group("g")
+        events = [_event(key, i) for i, key in enumerate(_keys_on_distinct_partitions(P))]
+        bus.publish(events[:1])
+        bus.client.script_flush()
+        bus.publish(events[1:])
+        got = _read_n(bus, "g", "c", len(events))
+        assert sorted(d.payload for d in got) == sorted(e.to_json() for e in events)
+        assert bus.read("g", "c", ALL, 10, 0.2) == []  # nothing twice
+    finally:
+        bus.close()
+
+
+@pytest.mark.redis
 def test_redis_blocking_read_longer_than_the_socket_timeout(redis_server: str, redis_namespace: str) -> None:
     bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace, socket_timeout=0.4)
     try:
