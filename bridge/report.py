@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import accumulate
 from typing import Any
 
 import sqlalchemy as sa
@@ -224,16 +225,12 @@ def _grid(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause,
         per_type[kind] = per_type.get(kind, 0) + n
         series = grid.timelines.setdefault(name, {}).setdefault(path, [0] * TIMELINE_BUCKETS)
         series[min(max(int(b or 0), 0), TIMELINE_BUCKETS - 1)] += n
-        for hist_path, bucket in zip(("poller", "events", "fallback"), buckets, strict=True):
-            if bucket is not None:
-                grid.histograms.setdefault(name, {}).setdefault(hist_path, [0] * width)[int(bucket)] += n
+        for hist_path, edge_index in zip(("poller", "events", "fallback"), buckets, strict=True):
+            if edge_index is not None:
+                grid.histograms.setdefault(name, {}).setdefault(hist_path, [0] * width)[int(edge_index)] += n
     for per_path in grid.histograms.values():
         for path, counts in per_path.items():
-            cumulative, total = [], 0
-            for j in range(len(HISTOGRAM_EDGES_MS)):
-                total += counts[j]
-                cumulative.append(total)
-            per_path[path] = [*cumulative, total + counts[-1]]
+            per_path[path] = list(accumulate(counts))  # at each edge, then the total
     return grid
 
 

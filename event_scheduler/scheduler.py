@@ -45,7 +45,8 @@ from bridge.readiness import ready_predicate
 from bridge.routing import EventRouter
 from bridge.settings import SchedulerSettings
 from bridge.tasktable import TaskTable
-from event_scheduler.evaluate import Evaluation, Evaluator, Scope
+from bridge.verify import as_utc
+from event_scheduler.evaluate import Evaluation, Evaluator, Scope, backoff_delay
 from event_scheduler.leases import lease_store
 from event_scheduler.metrics import SchedulerMetrics
 from event_scheduler.timers import Timer, TimerQueue
@@ -228,8 +229,20 @@ class EventScheduler:
                                        tt.col("attempts") < tt.col("max_attempts")).values(values)
         with self.engine.begin() as conn:
             changed = conn.execute(stmt).rowcount
+            # The same for retries as for timeouts: this timer was for an earlier attempt (a scheduler
+            # that owned the partition before kept it) and kept the current attempt's from being armed.
+            again = None if changed or not tt.has("updated_at") else conn.execute(
+                sa.select(tt.col("attempts"), tt.col("updated_at")).where(
+                    tt.col("id") == task_id, tt.col("status") == tt.statuses.failed,
+                    tt.col("attempts") != attempts, tt.col("attempts") < tt.col("max_attempts"))).first()
         if changed:  # counted after the commit, so the metric never runs ahead of the database
             self.metrics.retries.labels(workflow_type=str(workflow_type)).inc()
+        elif again is not None:
+            current, failed_at = again
+            since = as_utc(failed_at) or datetime.now(UTC)
+            type_settings = self.settings.for_type(str(workflow_type) if workflow_type is not None else None)
+            self.timers.schedule(since + timedelta(seconds=backoff_delay(type_settings, task_id, current)), "retry",
+                                 str(task_id), (task_id, current, workflow_type))
 
     def _time_out(self, task_id: object, workflow_type: object) -> None:
         tt = self.tables
@@ -247,9 +260,20 @@ class EventScheduler:
             conditions.append(tt.col("updated_at") <= cutoff)
         with self.engine.begin() as conn:
             changed = conn.execute(tt.tasks.update().where(*conditions).values(values)).rowcount
+            # One timer per task, the earliest kept: an attempt that started running before the previous
+            # attempt's timer fired has no timer of its own. Re-arm for it, or a worker that dies in
+            # that attempt strands the task in running.
+            since = None if changed or not tt.has("updated_at") else conn.execute(
+                sa.select(tt.col("updated_at")).where(tt.col("id") == task_id,
+                                                      tt.col("status") == tt.statuses.running)).scalar()
         if changed:
             self.metrics.timeouts.labels(workflow_type=str(workflow_type)).inc()
             log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
+        elif since is not None:
+            started = as_utc(since)
+            if started is not None:
+                self.timers.schedule(started + timedelta(seconds=timeout), "timeout", str(task_id),
+                                     (task_id, workflow_type))
 
     # --- catch-up ------------------------------------------------------------------------------------
     def catch_up(self, partitions: set[int], stop: threading.Event | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -210,23 +211,86 @@ def test_failed_task_is_retried_after_backoff_and_dispatched_again(env: Env, sta
     assert attempts == [1, 2]
 
 
+def _db_now(env: Env) -> Any:
+    return sa.func.clock_timestamp() if env.engine.dialect.name == "postgresql" else sa.func.strftime(
+        "%Y-%m-%d %H:%M:%f", "now")
+
+
+def _one_task_dispatched(env: Env, instance: str) -> None:
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec(instance, "orders", (TaskSpec("only"),))])
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what=f"the dispatch of {instance}'s task")
+
+
 def test_running_task_past_its_timeout_is_failed(env: Env, stack: Stack) -> None:
     settings = SchedulerSettings(block=0.1, lease_ttl=2.0, defaults=TypeSettings(running_timeout=0.5,
                                                                                 retry_base=30.0))
     stack.relay()
     sched = stack.scheduler("cutover", settings=settings)
-    with env.engine.begin() as conn:
-        seed(conn, env.tables, [WorkflowSpec("slow", "orders", (TaskSpec("hangs"),))])
-    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the dispatch")
+    _one_task_dispatched(env, "slow")
     t = env.tables.tasks
-    now = sa.func.clock_timestamp() if env.engine.dialect.name == "postgresql" else sa.func.strftime(
-        "%Y-%m-%d %H:%M:%f", "now")
+    now = _db_now(env)
     with env.engine.begin() as conn:  # a worker picked it up and then hung
         conn.execute(t.update().where(t.c.instance_id == "slow").values(status="running", attempts=1, updated_at=now))
     wait_for(lambda: sched.metrics.value("pollbridge_scheduler_timeouts_total", {"workflow_type": "orders"}) == 1,
              15, what="the running timeout")
     with env.engine.connect() as conn:
         assert conn.execute(sa.select(t.c.status).where(t.c.instance_id == "slow")).scalar() == "failed"
+
+
+def test_a_retry_that_starts_before_the_first_attempts_timeout_still_times_out(env: Env, stack: Stack) -> None:
+    """One timeout timer per task, the earliest kept: the first attempt's timer is still there when the
+    retry starts running, so the retry's own deadline is not armed. When the stale timer fires on a task
+    that is running again but not for long enough, it must re-arm for the retry (the chaos suite found a
+    retry stranded in ``running`` after its worker was killed)."""
+    timeout = 2.0
+    settings = SchedulerSettings(block=0.1, lease_ttl=2.0, defaults=TypeSettings(running_timeout=timeout,
+                                                                                retry_base=0.05, retry_jitter=0.0))
+    stack.relay()
+    sched = stack.scheduler("cutover", settings=settings)
+    _one_task_dispatched(env, "again")
+    t = env.tables.tasks
+    now = _db_now(env)
+    with env.engine.begin() as conn:
+        task_id = str(conn.execute(sa.select(t.c.id).where(t.c.instance_id == "again")).scalar_one())
+    key = ("timeout", task_id)
+
+    def set_status(status: str, attempts: int) -> None:
+        with env.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.instance_id == "again")
+                         .values(status=status, attempts=attempts, updated_at=now))
+
+    set_status("running", 1)  # attempt 1 runs ...
+    wait_for(lambda: key in sched.timers._current, 15, what="the first attempt's timeout timer")
+    first = sched.timers._current[key].when
+    set_status("failed", 1)  # ... and fails at once: retried after 0.05 s
+    wait_for(lambda: _paths(env).get("events") == 2, 15, what="the retry's dispatch")
+    set_status("running", 2)  # the retry runs, and its worker dies
+    wait_for(lambda: sched.metrics.value("pollbridge_scheduler_timeouts_total", {"workflow_type": "orders"}) == 1,
+             first - time.time() + timeout + 15, what="the retry's running timeout")
+    with env.engine.connect() as conn:
+        status, attempts = conn.execute(sa.select(t.c.status, t.c.attempts).where(t.c.instance_id == "again")).one()
+    assert (status, attempts) == ("failed", 2)
+
+
+def test_a_stale_retry_timer_does_not_keep_the_current_attempts_retry_from_firing(env: Env, stack: Stack) -> None:
+    """A scheduler that owned the partition before may still hold the retry timer of an earlier attempt.
+    Fired, it must re-arm the current attempt's retry instead of doing nothing: the current attempt's
+    timer was not armed, the earlier one firing first."""
+    settings = SchedulerSettings(block=0.1, lease_ttl=2.0, defaults=TypeSettings(retry_base=0.3, retry_jitter=0.0))
+    stack.relay()
+    sched = stack.scheduler("cutover", settings=settings)
+    _one_task_dispatched(env, "stale")
+    t = env.tables.tasks
+    with env.engine.begin() as conn:
+        task_id = conn.execute(sa.select(t.c.id).where(t.c.instance_id == "stale")).scalar_one()
+    # Left over from attempt 1, due before the current attempt's retry would be.
+    sched.timers.schedule(time.time() + 0.2, "retry", str(task_id), (task_id, 1, "orders"))
+    with env.engine.begin() as conn:  # attempt 2 ran and failed (attempt 1's retry was someone else's)
+        conn.execute(t.update().where(t.c.id == task_id).values(status="failed", attempts=2))
+    wait_for(lambda: _paths(env).get("events") == 2, 15, what="attempt 3's dispatch")
+    with env.engine.connect() as conn:
+        assert conn.execute(sa.select(dispatch_log.c.attempt).order_by(dispatch_log.c.id.desc())).first() == (3,)
 
 
 def test_poison_and_unknown_events(env: Env, stack: Stack) -> None:
