@@ -92,6 +92,20 @@ def backoff_delay(settings: TypeSettings, task_id: object, attempts: int) -> flo
     return float(max(0.0, base * (1 + jitter)))
 
 
+def retry_timer(settings: TypeSettings, task_id: object, attempts: int, failed_at: Any,
+                workflow_type: object) -> TimerSpec:
+    """The timer that re-pends a task failed at ``failed_at`` (its ``updated_at``) after ``attempts``."""
+    since = as_utc(failed_at) or datetime.now(UTC)
+    return (since + timedelta(seconds=backoff_delay(settings, task_id, attempts)), "retry", str(task_id),
+            (task_id, attempts, workflow_type))
+
+
+def timeout_timer(settings: TypeSettings, task_id: object, running_since: Any, workflow_type: object) -> TimerSpec:
+    """The timer that fails a task still running ``settings.running_timeout`` after ``running_since``."""
+    since = as_utc(running_since) or datetime.now(UTC)
+    return (since + timedelta(seconds=settings.running_timeout), "timeout", str(task_id), (task_id, workflow_type))
+
+
 class TokenBucket:
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, float(burst)
@@ -324,14 +338,10 @@ class Evaluator:
                     result.timers.append((max(due, soonest), "due", str(r.instance_id), ()))
             elif r.status == st.failed and attempts is not None and m.get("max_attempts") is not None \
                     and attempts < m["max_attempts"]:
-                since = as_utc(m.get("updated_at")) or datetime.now(UTC)
-                delay = backoff_delay(type_settings, r.task_id, attempts)
-                result.timers.append((since + timedelta(seconds=delay), "retry", str(r.task_id),
-                                      (r.task_id, attempts, r.workflow_type)))
+                result.timers.append(retry_timer(type_settings, r.task_id, attempts, m.get("updated_at"),
+                                                 r.workflow_type))
             elif r.status == st.running and type_settings.running_timeout > 0:
-                since = as_utc(m.get("updated_at")) or datetime.now(UTC)
-                result.timers.append((since + timedelta(seconds=type_settings.running_timeout), "timeout",
-                                      str(r.task_id), (r.task_id, r.workflow_type)))
+                result.timers.append(timeout_timer(type_settings, r.task_id, m.get("updated_at"), r.workflow_type))
         if ready:
             self._act(conn, ready, trace_ids, result)
         return result

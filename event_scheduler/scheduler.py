@@ -45,8 +45,7 @@ from bridge.readiness import ready_predicate
 from bridge.routing import EventRouter
 from bridge.settings import SchedulerSettings
 from bridge.tasktable import TaskTable
-from bridge.verify import as_utc
-from event_scheduler.evaluate import Evaluation, Evaluator, Scope, backoff_delay
+from event_scheduler.evaluate import Evaluation, Evaluator, Scope, retry_timer, timeout_timer
 from event_scheduler.leases import lease_store
 from event_scheduler.metrics import SchedulerMetrics
 from event_scheduler.timers import Timer, TimerQueue
@@ -239,14 +238,13 @@ class EventScheduler:
             self.metrics.retries.labels(workflow_type=str(workflow_type)).inc()
         elif again is not None:
             current, failed_at = again
-            since = as_utc(failed_at) or datetime.now(UTC)
             type_settings = self.settings.for_type(str(workflow_type) if workflow_type is not None else None)
-            self.timers.schedule(since + timedelta(seconds=backoff_delay(type_settings, task_id, current)), "retry",
-                                 str(task_id), (task_id, current, workflow_type))
+            self.timers.schedule(*retry_timer(type_settings, task_id, current, failed_at, workflow_type))
 
     def _time_out(self, task_id: object, workflow_type: object) -> None:
         tt = self.tables
-        timeout = self.settings.for_type(str(workflow_type) if workflow_type is not None else None).running_timeout
+        type_settings = self.settings.for_type(str(workflow_type) if workflow_type is not None else None)
+        timeout = type_settings.running_timeout
         cutoff = datetime.now(UTC) - timedelta(seconds=timeout)
         if tt.dialect_name == "sqlite":
             cutoff = cutoff.replace(tzinfo=None)
@@ -270,10 +268,7 @@ class EventScheduler:
             self.metrics.timeouts.labels(workflow_type=str(workflow_type)).inc()
             log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
         elif since is not None:
-            started = as_utc(since)
-            if started is not None:
-                self.timers.schedule(started + timedelta(seconds=timeout), "timeout", str(task_id),
-                                     (task_id, workflow_type))
+            self.timers.schedule(*timeout_timer(type_settings, task_id, since, workflow_type))
 
     # --- catch-up ------------------------------------------------------------------------------------
     def catch_up(self, partitions: set[int], stop: threading.Event | None = None) -> int:

@@ -67,6 +67,9 @@ class StackContext:
 #: gives a module one database per dialect (the ``sqlite_shared``/``pg_shared`` fixtures of tests/integration),
 #: emptied before each test instead of cloned for it (cloning one per test costs seconds).
 SHARED_DB_PARAMS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+#: Where the scheduler's partition leases can live: the database (SQLite, PostgreSQL), or Redis beside the bus
+#: (with PostgreSQL as the database).
+LEASE_STORE_PARAMS = [*SHARED_DB_PARAMS, pytest.param("redis", marks=[pytest.mark.postgres, pytest.mark.redis])]
 #: What ``shared_engine`` empties, the outbox last: deleting tasks fires the capture trigger.
 SHARED_DB_RESET = ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_decisions",
                    "pollbridge_flags", "pollbridge_flag_audit", "pollbridge_outbox")

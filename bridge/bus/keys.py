@@ -93,12 +93,16 @@ class BusKeys:
     @property
     def scheduler_members(self) -> str:
         """Sorted set of live event-scheduler processes (score: last heartbeat, ms)."""
-        return f"{self.namespace}:sched:{{{self.namespace}:sched}}:members"
+        return self._scheduler("members")
 
     @property
     def scheduler_leases(self) -> str:
         """Hash of partition leases: field = partition, value = ``"<expires_ms> <holder>"``."""
-        return f"{self.namespace}:sched:{{{self.namespace}:sched}}:leases"
+        return self._scheduler("leases")
+
+    def _scheduler(self, name: str) -> str:
+        # One hash tag for every scheduler key: the lease script touches them together (one cluster slot).
+        return f"{self.namespace}:sched:{{{self.namespace}:sched}}:{name}"
 
     @staticmethod
     def group(name: str) -> str:

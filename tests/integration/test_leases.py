@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
-from support import age_scheduler_member
+from support import LEASE_STORE_PARAMS, age_scheduler_member
 
 from bridge.bus.redis_streams import RedisStreamsBus
 from bridge.db import create_engine
@@ -60,8 +60,7 @@ class Stores:
             conn.close()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres),
-                        pytest.param("redis", marks=[pytest.mark.postgres, pytest.mark.redis])])
+@pytest.fixture(params=LEASE_STORE_PARAMS)
 def stores(request: pytest.FixtureRequest) -> Iterator[Stores]:
     kind = str(request.param)
     url = request.getfixturevalue("sqlite_url" if kind == "sqlite" else "pg_url")

@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy.engine import Engine
-from support import age_scheduler_member, wait_for
+from support import LEASE_STORE_PARAMS, age_scheduler_member, wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.capture import remove_capture
@@ -274,8 +274,7 @@ def test_relay_alive_needs_every_relay_partition(stack: Stack) -> None:
 
 # --- scheduler_alive ------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres),
-                        pytest.param("redis", marks=[pytest.mark.postgres, pytest.mark.redis])])
+@pytest.fixture(params=LEASE_STORE_PARAMS)
 def any_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     """SQLite or PostgreSQL with the embedded bus (leases in the database), or PostgreSQL with Redis
     (leases beside the bus)."""
