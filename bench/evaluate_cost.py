@@ -4,10 +4,10 @@
 
 Seeds 200 chains of 10 tasks in a scratch PostgreSQL database, then runs the event scheduler's evaluation
 of one instance ``--calls`` times on one kept autocommit connection, as the scheduler's loop does: first
-with ``Connection.execute`` (what the scheduler does), then the SQL text and parameters SQLAlchemy sent,
-straight through the psycopg connection underneath (prepared). Reports CPU (``time.process_time``) and
-wall time per call. The difference is what the scheduler's batch would save by sending its hot
-statements through the driver. Run it on an idle machine.
+with ``Connection.execute`` (what the scheduler did until 2026-12-01), then the scheduler's driver path
+(``bridge.driver.DriverStatement``: the compiled SQL on the psycopg connection underneath, named rows,
+statement listeners), then the bare SQL text and parameters through psycopg (prepared). Reports CPU
+(``time.process_time``) and wall time per call. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -74,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         assert raw is not None
         result = {
             "sqlalchemy": _per_call(lambda: conn.execute(evaluator._query, params).all(), args.calls),
+            "driver_statement": _per_call(lambda: evaluator._query_run.all(conn, params), args.calls),
             "psycopg": _per_call(lambda: raw.execute(sent["sql"], sent["params"], prepare=True).fetchall(),
                                  args.calls),
             "calls": args.calls,
         }
         conn.close()
         engine.dispose()
-    for name in ("sqlalchemy", "psycopg"):
-        print(f"{name:10} cpu {result[name]['cpu_ms']:.3f} ms/call, wall {result[name]['wall_ms']:.3f} ms/call")
+    for name in ("sqlalchemy", "driver_statement", "psycopg"):
+        print(f"{name:16} cpu {result[name]['cpu_ms']:.3f} ms/call, wall {result[name]['wall_ms']:.3f} ms/call")
     write_json(args.json_path, result)
     return 0
 

@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Dialect
 
 from bridge.db import db_now
+from bridge.driver import DriverStatement
 from bridge.readiness import ready_predicate
 from bridge.schema import dispatch_log
 from bridge.tasktable import TaskTable
@@ -55,7 +56,7 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
         # One statement, one round trip: the UPDATE and the dispatch-log INSERT in a data-modifying
         # CTE, atomic as a statement even in autocommit mode. The batch travels as arrays, so the SQL
         # text is the same whatever the batch: compiled once, prepared by the driver.
-        won_ids = set(conn.execute(_pg_dispatch_statement(tt, path), {
+        won_ids = set(_pg_dispatch_statement(tt, path, conn.dialect).scalars(conn, {
             "pb_ids": list(by_id),
             "pb_task_ids": [str(task.task_id) for task in tasks],
             "pb_instance_ids": [str(task.instance_id) for task in tasks],
@@ -64,7 +65,7 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
             "pb_attempts": [task.attempt for task in tasks],
             "pb_ready_ats": [task.ready_at for task in tasks],
             "pb_trace_ids": [traces.get(task.instance_id) for task in tasks],
-        }).scalars())
+        }))
         return [task for task in tasks if str(task.task_id) in won_ids]
     t = tt.tasks
     now = db_now(tt.dialect_name)
@@ -89,10 +90,10 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
     return won
 
 
-_PG_STATEMENTS: dict[tuple[int, str], tuple[TaskTable, sa.Insert]] = {}
+_PG_STATEMENTS: dict[tuple[int, str], tuple[TaskTable, DriverStatement]] = {}
 
 
-def _pg_dispatch_statement(tt: TaskTable, path: Path) -> sa.Insert:
+def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> DriverStatement:
     """The PostgreSQL batch dispatch for ``tt`` and ``path``, built once: the compare-and-set UPDATE over
     ``id = ANY(:pb_ids)`` and the dispatch-log INSERT of its winners, the batch's facts unnested from arrays."""
     cached = _PG_STATEMENTS.get((id(tt), path))
@@ -139,8 +140,10 @@ def _pg_dispatch_statement(tt: TaskTable, path: Path) -> sa.Insert:
     )
     if len(_PG_STATEMENTS) >= 64:  # task tables reflected again and again (tests): keep the cache small
         _PG_STATEMENTS.clear()
-    _PG_STATEMENTS[(id(tt), path)] = (tt, stmt)
-    return stmt
+    # Run for every batch either path dispatches: straight through the driver (see bridge.driver).
+    run = DriverStatement(stmt, dialect)
+    _PG_STATEMENTS[(id(tt), path)] = (tt, run)
+    return run
 
 
 def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace_id: str | None = None) -> bool:

@@ -1,0 +1,130 @@
+"""Hot statements sent straight through the driver: compiled by SQLAlchemy once, executed by psycopg.
+
+The event scheduler runs two statements per batch (its evaluation and its dispatch), hundreds of times
+a second. Through ``Connection.execute`` each call spends more CPU in SQLAlchemy's execution context and
+result machinery than in the driver: measured 0.40 ms against 0.16 ms per evaluation call
+(``python -m bench.evaluate_cost``). A :class:`DriverStatement` compiles the Core statement once for the
+engine's dialect and runs the SQL text SQLAlchemy would have sent, with the parameters it would have
+sent, on the psycopg connection underneath the caller's :class:`~sqlalchemy.engine.Connection`: same
+connection, same transaction (or autocommit), same SQL.
+
+It takes the direct path only where that is provably the same as SQLAlchemy's: PostgreSQL through
+psycopg, no parameter given per call rendered into the SQL (an expanding ``IN`` of a parameter; a literal
+``IN`` list is rendered once, as SQLAlchemy renders it per call), bind and result processors applied
+as SQLAlchemy would apply them. Anything else runs through ``Connection.execute``. What the direct path
+keeps of SQLAlchemy's execution:
+
+* ``before_cursor_execute`` listeners are called with the cursor, the SQL and the parameters (statement
+  counters and fault-injection tests see these statements too);
+* a driver error is raised as SQLAlchemy's wrapped ``DBAPIError``, and a connection the dialect finds
+  disconnected is invalidated, so the pool never hands it out again.
+
+Rows are named tuples: attribute access by label, like SQLAlchemy's ``Row``.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.exc import DBAPIError
+
+Processor = Callable[[Any], Any]
+
+
+class DriverStatement:
+    """A Core statement compiled once for ``dialect``; :meth:`all` and :meth:`scalars` run it.
+
+    Thread-safe (nothing is mutated after construction). The statement must return rows (a ``SELECT`` or
+    a DML statement with ``RETURNING``)."""
+
+    def __init__(self, statement: sa.Select[Any] | sa.Insert | sa.Update | sa.Delete, dialect: Dialect) -> None:
+        self.statement = statement
+        self._direct = False
+        self._sql = ""
+        self._defaults: dict[str, Any] = {}
+        self._bind: dict[str, Processor] = {}
+        self._required: frozenset[str] = frozenset()
+        self._result: list[Processor | None] = []
+        self._row: Any = None
+        if dialect.name != "postgresql" or dialect.driver != "psycopg":
+            return
+        compiled = statement.compile(dialect=dialect)
+        required = {name for name, bind in compiled.binds.items() if bind.required}
+        # A literal IN list is rendered at execution time (a post-compile parameter); its values are fixed,
+        # so it is rendered once here. A parameter given per call must not change the SQL text.
+        late = [*getattr(compiled, "post_compile_params", ()), *getattr(compiled, "literal_execute_params", ())]
+        if any(bind.required for bind in late) or getattr(compiled, "escaped_bind_names", None) \
+                or dialect.paramstyle != "pyformat":
+            return
+        columns: list[Any] = list(statement.selected_columns if isinstance(statement, sa.Select)
+                                  else statement.exported_columns)
+        keys = [c.key for c in columns]
+        if not keys or len(set(keys)) != len(keys) or not all(k.isidentifier() and not k.startswith("_")
+                                                               for k in keys):
+            return
+        expanded = compiled.construct_expanded_state(dict.fromkeys(required))
+        self._sql = expanded.statement
+        self._required = frozenset(required)
+        self._defaults = {k: v for k, v in expanded.parameters.items() if k not in required}
+        for name, bind in compiled.binds.items():
+            processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if processor is not None and name in expanded.parameters:  # a rendered IN list has its names below
+                self._bind[name] = processor
+        self._bind.update(expanded.processors)
+        self._result = [c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns]
+        self._row = namedtuple("DriverRow", keys)  # type: ignore[misc]
+        self._direct = True
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls go straight to the driver (else through ``Connection.execute``)."""
+        return self._direct
+
+    def all(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
+        """Every row, as named tuples (or SQLAlchemy rows on the fallback path)."""
+        if not self._direct:
+            return list(conn.execute(self.statement, dict(params)).all())
+        rows = self._run(conn, params)
+        make = self._row._make
+        if not any(self._result):
+            return [make(r) for r in rows]
+        procs = self._result
+        return [make(v if p is None else p(v) for p, v in zip(procs, r, strict=True)) for r in rows]
+
+    def scalars(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
+        """The first column of every row."""
+        if not self._direct:
+            return list(conn.execute(self.statement, dict(params)).scalars())
+        first = self._result[0]
+        rows = self._run(conn, params)
+        return [r[0] if first is None else first(r[0]) for r in rows]
+
+    def _run(self, conn: Connection, params: Mapping[str, Any]) -> Sequence[tuple[Any, ...]]:
+        missing = self._required.difference(params)
+        if missing:  # as SQLAlchemy would say it
+            raise sa.exc.ArgumentError(f"a value is required for bind parameter(s) {', '.join(sorted(missing))}")
+        values = dict(self._defaults)
+        values.update(params)
+        for name, processor in self._bind.items():
+            values[name] = processor(values[name])
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        cursor = raw.cursor()
+        try:
+            for listener in conn.dispatch.before_cursor_execute:
+                listener(conn, cursor, self._sql, values, None, False)
+            cursor.execute(self._sql, values, prepare=True)
+            rows: list[tuple[Any, ...]] = cursor.fetchall()
+            return rows
+        except conn.dialect.loaded_dbapi.Error as exc:
+            invalidated = conn.dialect.is_disconnect(exc, raw, cursor)
+            if invalidated:
+                conn.invalidate(exc)
+            raise DBAPIError.instance(self._sql, values, exc, conn.dialect.loaded_dbapi.Error,
+                                      connection_invalidated=invalidated, dialect=conn.dialect) from exc
+        finally:
+            cursor.close()

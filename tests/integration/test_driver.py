@@ -1,0 +1,185 @@
+"""Hot statements straight through the driver (bridge.driver): the same rows, errors and events as SQLAlchemy."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from bridge.db import StatementCounter
+from bridge.dispatch import ReadyTask, _pg_dispatch_statement, dispatch_many
+from bridge.driver import DriverStatement
+from bridge.routing import FixedRouter
+from bridge.schema import dispatch_log
+from bridge.settings import SchedulerSettings, TypeSettings
+from bridge.tasktable import TaskTable
+from bridge.workload import TaskSpec, WorkflowSpec, seed
+from event_scheduler.evaluate import Evaluator
+from event_scheduler.metrics import SchedulerMetrics
+
+
+def _evaluator(engine: Engine, tables: TaskTable) -> Evaluator:
+    settings = SchedulerSettings(defaults=TypeSettings(running_timeout=60.0))
+    return Evaluator(engine, tables, FixedRouter("dual_write"), settings, SchedulerMetrics(CollectorRegistry()))
+
+
+def _seed_mixed(engine: Engine, tables: TaskTable) -> list[str]:
+    """Instances whose tasks are in every state the evaluation reads: ready, waiting, due later, failed with
+    attempts left, running, finished."""
+    chain = (TaskSpec("a"), TaskSpec("b", ("a",)), TaskSpec("c", ("b",)), TaskSpec("later", due_in=3600),
+             TaskSpec("fan", ("a", "b")))
+    ids = [f"drv{n}" for n in range(6)]
+    with engine.begin() as conn:
+        seed(conn, tables, [WorkflowSpec(i, "orders", chain) for i in ids])
+        t = tables.tasks.c
+        conn.execute(tables.tasks.update().where(t.task_key == "a").values(status="completed"))
+        conn.execute(tables.tasks.update().where(t.instance_id == "drv1", t.task_key == "b")
+                     .values(status="failed", attempts=1, max_attempts=3))
+        conn.execute(tables.tasks.update().where(t.instance_id == "drv2", t.task_key == "b")
+                     .values(status="running", attempts=1))
+        conn.execute(tables.tasks.update().where(t.instance_id == "drv3").values(status="completed"))
+    return [*ids, "drv-unknown"]
+
+
+def test_the_evaluation_reads_the_same_rows_as_through_sqlalchemy(engine: Engine, tables: TaskTable) -> None:
+    ids = _seed_mixed(engine, tables)
+    evaluator = _evaluator(engine, tables)
+    run = evaluator._query_run
+    assert run.direct == (engine.dialect.name == "postgresql")
+    params: dict[str, Any] = {"ids": ids}
+    if engine.dialect.name == "postgresql":
+        params["scope"] = json.dumps({i: {"w": 1} for i in ids})
+    with evaluator.connect() as conn:
+        through_sqlalchemy = [tuple(r) for r in conn.execute(evaluator._query, params).all()]
+        rows = run.all(conn, params)
+    assert [tuple(r) for r in rows] == through_sqlalchemy
+    # Same Python types, not only equal values (a datetime stays an aware datetime, an id an int).
+    assert [tuple(map(type, r)) for r in rows] == [tuple(map(type, r)) for r in through_sqlalchemy]
+    assert {r.instance_id for r in rows} == set(ids) - {"drv-unknown"}
+    assert any(r.ready for r in rows) and any(r.due_future for r in rows)
+    # Named access is what the evaluator uses.
+    assert all(r.task_key == tuple(r)[2] for r in rows)
+
+
+def test_the_dispatch_through_the_driver_writes_task_and_log_once(engine: Engine, tables: TaskTable) -> None:
+    with engine.begin() as conn:
+        seed(conn, tables, [WorkflowSpec("d1", "orders", (TaskSpec("a"), TaskSpec("b", ("a",))))])
+        ids = dict(conn.execute(sa.select(tables.tasks.c.task_key, tables.tasks.c.id)).all())
+    ready = [ReadyTask(ids["a"], "d1", "a", "orders", 1, None),
+             ReadyTask(ids["b"], "d1", "b", "orders", 1, None)]  # b is not ready: its dependency is pending
+    with engine.begin() as conn:
+        assert _pg_dispatch_statement(tables, "events", conn.dialect).direct == (engine.dialect.name == "postgresql")
+        won = dispatch_many(conn, tables, ready, "events", {"d1": "trace-1"})
+    assert won == ready[:1]
+    with engine.begin() as conn:  # the same task again: the compare-and-set finds it dispatched already
+        assert dispatch_many(conn, tables, ready, "events", {"d1": "trace-2"}) == []
+    with engine.connect() as conn:
+        log = conn.execute(sa.select(dispatch_log.c.task_id, dispatch_log.c.path, dispatch_log.c.trace_id,
+                                     dispatch_log.c.attempt, dispatch_log.c.task_key)).all()
+        status = dict(conn.execute(sa.select(tables.tasks.c.task_key, tables.tasks.c.status)).all())
+    assert [tuple(r) for r in log] == [(str(ids["a"]), "events", "trace-1", 1, "a")]
+    assert status == {"a": "queued", "b": "pending"}
+
+
+def test_a_rolled_back_transaction_takes_the_driver_dispatch_with_it(engine: Engine, tables: TaskTable) -> None:
+    with engine.begin() as conn:
+        seed(conn, tables, [WorkflowSpec("r1", "orders", (TaskSpec("a"),))])
+        task_id = conn.execute(sa.select(tables.tasks.c.id)).scalar_one()
+    with engine.connect() as conn:
+        with conn.begin() as tx:
+            assert dispatch_many(conn, tables, [ReadyTask(task_id, "r1", "a", "orders", 1, None)], "poller")
+            tx.rollback()
+        assert conn.execute(sa.select(tables.tasks.c.status)).scalar_one() == "pending"
+        assert conn.execute(sa.select(sa.func.count()).select_from(dispatch_log)).scalar_one() == 0
+
+
+def test_statement_listeners_see_the_driver_statements(engine: Engine, tables: TaskTable) -> None:
+    ids = _seed_mixed(engine, tables)
+    evaluator = _evaluator(engine, tables)
+    counter = StatementCounter()
+    counter.attach(engine)
+    seen: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *args: seen.append(args[2]))
+    params: dict[str, Any] = {"ids": ids, "scope": json.dumps({i: {"w": 1} for i in ids})}
+    if engine.dialect.name != "postgresql":
+        del params["scope"]
+    with evaluator.connect() as conn:
+        before = counter.count
+        evaluator._query_run.all(conn, params)
+    # SQLite's fallback path also counts its BEGIN: one statement more, through SQLAlchemy itself.
+    assert counter.count == before + (1 if engine.dialect.name == "postgresql" else 2)
+    assert "pb_eval" in seen[-1]
+
+
+class _Shout(sa.types.TypeDecorator[str]):
+    """A type with a bind and a result processor, both of which the direct path must apply."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        return None if value is None else value.upper()
+
+    def process_result_value(self, value: str | None, dialect: Any) -> str | None:
+        return None if value is None else f"<{value}>"
+
+
+def test_bind_and_result_processors_are_applied_as_sqlalchemy_would(engine: Engine) -> None:
+    stmt = sa.select(sa.bindparam("word", type_=_Shout).label("word"), sa.literal(7).label("seven"))
+    run = DriverStatement(stmt, engine.dialect)
+    assert run.direct == (engine.dialect.name == "postgresql")
+    with engine.connect() as conn:
+        expected = tuple(conn.execute(stmt, {"word": "hi"}).one())
+        (row,) = run.all(conn, {"word": "hi"})
+        assert tuple(row) == expected == ("<HI>", 7)
+        assert row.word == "<HI>" and row.seven == 7
+        assert run.scalars(conn, {"word": "yo"}) == ["<YO>"]
+
+
+@pytest.mark.postgres
+def test_what_the_direct_path_cannot_prove_equal_goes_through_sqlalchemy(pg_url: str) -> None:
+    from bridge.db import create_engine
+
+    engine = create_engine(pg_url)
+    try:
+        expanding = sa.select(sa.literal_column("x")).select_from(
+            sa.text("(VALUES (1), (2), (3)) AS v(x)")).where(sa.literal_column("x").in_(sa.bindparam("xs",
+                                                                                                 expanding=True)))
+        run = DriverStatement(expanding, engine.dialect)
+        assert not run.direct  # the IN list is rendered per call
+        with engine.connect() as conn:
+            assert sorted(run.scalars(conn, {"xs": [1, 3]})) == [1, 3]
+        duplicate_labels = sa.select(sa.literal(1).label("a"), sa.literal(2).label("a"))
+        assert not DriverStatement(duplicate_labels, engine.dialect).direct
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_cut_connection_is_a_wrapped_error_and_never_reused(pg_url: str) -> None:
+    from bridge.db import create_engine
+
+    engine = create_engine(pg_url)
+    try:
+        run = DriverStatement(sa.select(sa.literal(1).label("one")), engine.dialect)
+        assert run.direct
+        with engine.connect() as conn:
+            assert run.scalars(conn, {}) == [1]
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            with psycopg.connect(pg_url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (raw.info.backend_pid,))
+            with pytest.raises(sa.exc.DBAPIError) as raised:
+                run.scalars(conn, {})
+            assert raised.value.connection_invalidated
+            assert isinstance(raised.value.orig, psycopg.OperationalError)
+            assert conn.invalidated
+        with engine.connect() as conn:  # the pool hands out a working connection
+            assert run.scalars(conn, {}) == [1]
+    finally:
+        engine.dispose()
