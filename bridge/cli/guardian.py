@@ -23,6 +23,7 @@ from bridge.db import check_connection, create_engine, mask_url
 from bridge.exceptions import ConfigError, FlagStoreUnavailable
 from bridge.flags import FlagStore
 from bridge.guardian import CheckReport, Guardian
+from bridge.runtime import settle_heap
 from bridge.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def guardian_run(ctx: click.Context, interval: float | None, metrics_port: int |
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
         click.echo(f"guardian checking every {guard.settings.interval:g} s on {mask_url(settings.database_url)}, "
                    f"lag of group {guard.group} on {guard.bus_label}", err=True)
+        settle_heap()
         guard.run(stop)
         demotions = sum(s.value for m in registry.collect() if m.name == "pollbridge_guardian_demotions"
                         for s in m.samples if s.name.endswith("_total"))

@@ -23,6 +23,7 @@ from rich.table import Table
 from bridge import __version__, install
 from bridge.db import check_connection, create_engine, mask_url
 from bridge.exceptions import PollbridgeError
+from bridge.runtime import settle_heap
 from bridge.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL, Settings, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -312,6 +313,7 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
         sweep_every = sweep_interval or settings.router.sweep_interval
         click.echo(f"poller {'sweeping' if sweep_only else 'scanning'} {settings.mapping.table} every "
                    f"{sweep_every if sweep_only else every} s on {mask_url(settings.database_url)}", err=True)
+        settle_heap()
         PollerRunner(poller_, every, sweep_interval=sweep_every, scan=not sweep_only).run_until(stop)
         m = poller_.metrics
         click.echo(f"poller stopped: {int(m.value('pollbridge_poller_scans_total'))} scans, "
@@ -356,6 +358,7 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
                        wake=settings.capture.wake, registry=registry)  # type: ignore[arg-type]
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
+        settle_heap()
         relay_.run(stop)
         click.echo(f"relay stopped: {int(relay_.metrics.value('pollbridge_relay_published_total'))} published",
                    err=True)
@@ -422,6 +425,7 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
             flag_router.on_event_share_growth(sched.request_catch_up)
         click.echo(f"scheduler {sched.holder} on {mask_url(settings.database_url)} <- {mask_url(settings.bus_url)}, "
                    f"{'phase ' + fixed if fixed else 'following the flags'}", err=True)
+        settle_heap()
         sched.run(stop)
         dispatched = sum(s.value for m in registry.collect() if m.name == "pollbridge_scheduler_dispatches"
                          for s in m.samples if s.name.endswith("_total"))

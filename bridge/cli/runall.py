@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from bridge.db import mask_url
+from bridge.runtime import settle_heap
 
 
 @click.command("run-all")
@@ -32,6 +33,7 @@ def run_all(ctx: click.Context, demo_workers: bool, poll_interval: float | None,
         start_http_server(metrics_port, addr="127.0.0.1", registry=stack.registry)
     try:
         stack.start()
+        settle_heap()
         click.echo(f"run-all on {mask_url(settings.database_url)} <-> {mask_url(settings.bus_url)}: relay, scheduler, "
                    f"poller, guardian{', demo workers' if demo_workers else ''}", err=True)
         stop.wait()
