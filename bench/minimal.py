@@ -1,7 +1,7 @@
 """The floor: a hand-written minimal event pipeline next to pollbridge's event path, same load, one run.
 
     python -m bench.minimal [--rate 500] [--seconds 15] [--rounds 2] [--throughput-seconds 10]
-                            [--schedulers 2] [--quick] [--json F]
+                            [--schedulers 2] [--wake adaptive] [--quick] [--json F]
 
 *Minimal* (this file, nothing of pollbridge): chains of tasks in a table of its own; a row trigger writes
 an outbox row for every status change; a relay process claims outbox rows (``DELETE … RETURNING``,
@@ -298,11 +298,12 @@ def start_minimal(url: str, workdir: Path, namespace: str) -> tuple[Minimal, pc.
     return Minimal("minimal", url, "mtasks", ""), children
 
 
-def start_pollbridge(url: str, workdir: Path, namespace: str, schedulers: int) -> tuple[Pollbridge, pc.Children]:
+def start_pollbridge(url: str, workdir: Path, namespace: str, schedulers: int,
+                     wake: str = "adaptive") -> tuple[Pollbridge, pc.Children]:
     engine = create_engine(url)
-    install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings())
+    install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings(wake=wake))
     engine.dispose()
-    (workdir / "pollbridge.toml").write_text(f'[bus]\nnamespace = "{namespace}"\n')
+    (workdir / "pollbridge.toml").write_text(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n')
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed (pip install -e .)")
     children = pc.Children(workdir, {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL})
     children.spawn("relay", [exe, "--log-level", "INFO", "relay", "run"])
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--throughput-seconds", type=float, default=10, help="0: skip the flat-out phase")
     parser.add_argument("--schedulers", type=int, default=2)
+    parser.add_argument("--wake", choices=("poll", "notify", "adaptive"), default="adaptive",
+                        help="pollbridge's capture wake-up mode (its default: adaptive)")
     parser.add_argument("--quick", action="store_true", help="short, for CI (< 1 minute)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--role", choices=["relay", "consumer"], help=argparse.SUPPRESS)
@@ -347,13 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     pc.exit_on_signals()
     namespace = f"pbmin{uuid.uuid4().hex[:6]}"
     results: dict[str, Any] = {"command": " ".join(["python -m bench.minimal", *(argv or sys.argv[1:])]),
-                               "machine": pc.machine_info(), "rate": args.rate, "rounds": [], "throughput": []}
+                               "machine": pc.machine_info(), "rate": args.rate, "wake": args.wake, "rounds": [],
+                               "throughput": []}
     try:
         with scratch_database("pollbridge_bench_minimal") as murl, \
                 scratch_database("pollbridge_bench_minimal_pb") as purl:
             minimal, mchildren = start_minimal(murl, Path(tempfile.mkdtemp(prefix="pbmin-")), namespace)
             pollbridge, pchildren = start_pollbridge(purl, Path(tempfile.mkdtemp(prefix="pbmin-pb-")), namespace,
-                                                     args.schedulers)
+                                                     args.schedulers, args.wake)
             try:
                 pipelines = [(minimal, mchildren), (pollbridge, pchildren)]
                 for n in range(args.rounds):

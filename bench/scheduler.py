@@ -1,7 +1,7 @@
 """Event path vs. poller, end to end on PostgreSQL + Redis: ready → dispatch latency and throughput.
 
     python -m bench.scheduler [--rate 500] [--seconds 20] [--poll-interval 1.0] [--schedulers 2] [--quick]
-                              [--skip-poller] [--skip-throughput] [--profile DIR] [--json F]
+                              [--wake adaptive] [--skip-poller] [--skip-throughput] [--profile DIR] [--json F]
     python -m bench.scheduler --soak-minutes 60 [--soak-rate 200] [--schedulers 1] [--json F]
 
 Processes: ``pollbridge relay run`` and ``--schedulers`` x ``pollbridge scheduler run`` (phase cutover),
@@ -148,12 +148,12 @@ def load_average() -> list[float]:
 
 
 class Processes:
-    def __init__(self, url: str, namespace: str) -> None:
+    def __init__(self, url: str, namespace: str, wake: str = "adaptive") -> None:
         self.workdir = tempfile.mkdtemp(prefix="pbbench-")
         # The relay's defaults, spelled out: while busy it polls the outbox every 2 ms; after 200 ms idle
         # it arms the capture trigger's NOTIFY and waits for it (1 s fallback probe).
         Path(self.workdir, "pollbridge.toml").write_text(
-            f'[bus]\nnamespace = "{namespace}"\n'
+            f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n'
             '[relay]\npoll_interval = 0.002\narm_after = 0.2\nfallback_interval = 1.0\n'
             '[scheduler]\nphase = "cutover"\nbatch_size = 1000\n')
         self.env = {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
@@ -471,6 +471,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=500)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--poll-interval", type=float, default=1.0)
+    parser.add_argument("--wake", choices=("poll", "notify", "adaptive"), default="adaptive",
+                        help="capture wake-up mode of the event path (pollbridge's default: adaptive)")
     parser.add_argument("--schedulers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small and short, for CI (< 1 minute)")
     parser.add_argument("--json", dest="json_path")
@@ -495,9 +497,9 @@ def main() -> None:
         database = "pollbridge_bench_soak" if args.soak_minutes else "pollbridge_bench_scheduler"
         with scratch_database(database, keep=args.keep) as url:
             engine = create_engine(url)
-            install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings())
+            install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings(wake=args.wake))
             engine.dispose()
-            procs = Processes(url, namespace)
+            procs = Processes(url, namespace, args.wake)
             try:
                 procs.start("relay", "relay", "run")
                 schedulers = [procs.start(f"scheduler{i}", "scheduler", "run", "--phase", "cutover")
