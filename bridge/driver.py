@@ -17,7 +17,13 @@ keeps of SQLAlchemy's execution:
 * ``before_cursor_execute`` listeners are called with the cursor, the SQL and the parameters (statement
   counters and fault-injection tests see these statements too);
 * a driver error is raised as SQLAlchemy's wrapped ``DBAPIError``, and a connection the dialect finds
-  disconnected is invalidated, so the pool never hands it out again.
+  disconnected is invalidated, so the pool never hands it out again;
+* a statement on a connection outside a transaction begins one, as SQLAlchemy's autobegin does.
+
+What it does not keep: listeners get no execution context (``None``) and their return values are
+ignored; ``echo`` and ``handle_error`` hooks are skipped; a disconnect invalidates this connection only
+(the pool's pre-ping finds the others). Instrumentation that needs the execution context should not
+rely on seeing these statements.
 
 Rows are named tuples: attribute access by label, like SQLAlchemy's ``Row``.
 """
@@ -48,7 +54,8 @@ class DriverStatement:
         self._defaults: dict[str, Any] = {}
         self._bind: dict[str, Processor] = {}
         self._required: frozenset[str] = frozenset()
-        self._result: list[Processor | None] = []
+        self._result: list[Processor | None] | None = None  # from the first result's column types
+        self._types: list[Any] = []
         self._row: Any = None
         if dialect.name != "postgresql" or dialect.driver != "psycopg":
             return
@@ -66,6 +73,8 @@ class DriverStatement:
         if not keys or len(set(keys)) != len(keys) or not all(k.isidentifier() and not k.startswith("_")
                                                                for k in keys):
             return
+        if any(bind.callable is not None for bind in compiled.binds.values()):
+            return  # its value is computed per execution
         expanded = compiled.construct_expanded_state(dict.fromkeys(required))
         self._sql = expanded.statement
         self._required = frozenset(required)
@@ -75,7 +84,8 @@ class DriverStatement:
             if processor is not None and name in expanded.parameters:  # a rendered IN list has its names below
                 self._bind[name] = processor
         self._bind.update(expanded.processors)
-        self._result = [c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns]
+        self._types = [c.type.dialect_impl(dialect) for c in columns]
+        self._dialect = dialect
         self._row = namedtuple("DriverRow", keys)  # type: ignore[misc]
         self._direct = True
 
@@ -88,22 +98,22 @@ class DriverStatement:
         """Every row, as named tuples (or SQLAlchemy rows on the fallback path)."""
         if not self._direct:
             return list(conn.execute(self.statement, dict(params)).all())
-        rows = self._run(conn, params)
+        rows, procs = self._run(conn, params)
         make = self._row._make
-        if not any(self._result):
+        if not any(procs):
             return [make(r) for r in rows]
-        procs = self._result
         return [make(v if p is None else p(v) for p, v in zip(procs, r, strict=True)) for r in rows]
 
     def scalars(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
         """The first column of every row."""
         if not self._direct:
             return list(conn.execute(self.statement, dict(params)).scalars())
-        first = self._result[0]
-        rows = self._run(conn, params)
+        rows, procs = self._run(conn, params)
+        first = procs[0]
         return [r[0] if first is None else first(r[0]) for r in rows]
 
-    def _run(self, conn: Connection, params: Mapping[str, Any]) -> Sequence[tuple[Any, ...]]:
+    def _run(self, conn: Connection, params: Mapping[str, Any]) -> tuple[Sequence[tuple[Any, ...]],
+                                                                        list[Processor | None]]:
         missing = self._required.difference(params)
         if missing:  # as SQLAlchemy would say it
             raise sa.exc.ArgumentError(f"a value is required for bind parameter(s) {', '.join(sorted(missing))}")
@@ -111,15 +121,23 @@ class DriverStatement:
         values.update(params)
         for name, processor in self._bind.items():
             values[name] = processor(values[name])
+        if not conn.in_transaction():
+            conn.begin()  # what SQLAlchemy's autobegin does, so its commit() and rollback() act on this
         raw = conn.connection.driver_connection
         assert raw is not None
-        cursor = raw.cursor()
+        cursor = None
         try:
+            cursor = raw.cursor()
             for listener in conn.dispatch.before_cursor_execute:
                 listener(conn, cursor, self._sql, values, None, False)
             cursor.execute(self._sql, values, prepare=True)
             rows: list[tuple[Any, ...]] = cursor.fetchall()
-            return rows
+            procs = self._result
+            if procs is None:  # as SQLAlchemy does: the processors for the types the server reports
+                description = cursor.description or []
+                procs = self._result = [t.result_processor(self._dialect, d.type_code)
+                                        for t, d in zip(self._types, description, strict=True)]
+            return rows, procs
         except conn.dialect.loaded_dbapi.Error as exc:
             invalidated = conn.dialect.is_disconnect(exc, raw, cursor)
             if invalidated:
@@ -127,4 +145,5 @@ class DriverStatement:
             raise DBAPIError.instance(self._sql, values, exc, conn.dialect.loaded_dbapi.Error,
                                       connection_invalidated=invalidated, dialect=conn.dialect) from exc
         finally:
-            cursor.close()
+            if cursor is not None:
+                cursor.close()

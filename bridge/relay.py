@@ -239,6 +239,10 @@ class Relay:
         reset = self._epoch is not None
         o = outbox.c
         with self._begin() as conn:
+            # Unlike the relay's other writes, this one must not be lost in a server crash: the in-memory
+            # epoch moves on after it, and a lost requeue would never be redone.
+            if self.pg:
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = on")
             if reset:
                 since = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
                 if not self.pg:
@@ -338,6 +342,10 @@ class Relay:
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
+            # Invalidated, not returned to the pool: it carries the relay's session settings (asynchronous
+            # commit, custom plans), which another user of the engine (run-all) must not inherit.
+            with contextlib.suppress(Exception):
+                self._conn.invalidate()
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None

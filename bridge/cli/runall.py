@@ -32,8 +32,8 @@ def run_all(ctx: click.Context, demo_workers: bool, poll_interval: float | None,
     if metrics_port is not None:
         start_http_server(metrics_port, addr="127.0.0.1", registry=stack.registry)
     try:
+        settle_heap()  # before the components' threads start: nothing live is paused or frozen mid-use
         stack.start()
-        settle_heap()
         click.echo(f"run-all on {mask_url(settings.database_url)} <-> {mask_url(settings.bus_url)}: relay, scheduler, "
                    f"poller, guardian{', demo workers' if demo_workers else ''}", err=True)
         stop.wait()

@@ -183,3 +183,47 @@ def test_a_cut_connection_is_a_wrapped_error_and_never_reused(pg_url: str) -> No
             assert run.scalars(conn, {}) == [1]
     finally:
         engine.dispose()
+
+
+def test_numeric_and_float_results_are_converted_as_sqlalchemy_converts_them(engine: Engine) -> None:
+    # psycopg's NUMERIC and FLOAT result processors need the type the server reports: a reflected legacy
+    # column of either type must not break the scheduler's evaluation.
+    stmt = sa.select(sa.cast(sa.literal("1.25"), sa.Numeric(10, 2)).label("n"),
+                     sa.cast(sa.literal("2.5"), sa.Float).label("f"),
+                     sa.cast(sa.literal("3"), sa.Numeric(10, 0, asdecimal=False)).label("m"))
+    run = DriverStatement(stmt, engine.dialect)
+    with engine.connect() as conn:
+        expected = tuple(conn.execute(stmt).one())
+        (row,) = run.all(conn, {})
+    assert tuple(row) == expected
+    assert [type(v) for v in row] == [type(v) for v in expected]
+
+
+def test_a_statement_outside_a_transaction_begins_one_as_sqlalchemy_would(engine: Engine,
+                                                                           tables: TaskTable) -> None:
+    with engine.begin() as conn:
+        seed(conn, tables, [WorkflowSpec("a1", "orders", (TaskSpec("a"),))])
+        task_id = conn.execute(sa.select(tables.tasks.c.id)).scalar_one()
+    with engine.connect() as conn:  # no begin(): the dispatch must belong to a transaction commit() ends
+        assert dispatch_many(conn, tables, [ReadyTask(task_id, "a1", "a", "orders", 1, None)], "poller")
+        assert conn.in_transaction()
+        conn.commit()
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(tables.tasks.c.status)).scalar_one() == "queued"
+        assert conn.execute(sa.select(sa.func.count()).select_from(dispatch_log)).scalar_one() == 1
+
+
+@pytest.mark.postgres
+def test_a_bind_computed_per_execution_goes_through_sqlalchemy(pg_url: str) -> None:
+    from bridge.db import create_engine
+
+    engine = create_engine(pg_url)
+    try:
+        calls = iter(range(100))
+        stmt = sa.select(sa.bindparam("n", callable_=lambda: next(calls), type_=sa.Integer).label("n"))
+        run = DriverStatement(stmt, engine.dialect)
+        assert not run.direct
+        with engine.connect() as conn:
+            assert run.scalars(conn, {}) != run.scalars(conn, {})
+    finally:
+        engine.dispose()
