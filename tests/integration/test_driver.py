@@ -227,3 +227,14 @@ def test_a_bind_computed_per_execution_goes_through_sqlalchemy(pg_url: str) -> N
             assert run.scalars(conn, {}) != run.scalars(conn, {})
     finally:
         engine.dispose()
+
+
+def test_a_missing_parameter_is_the_same_error_on_both_paths(engine: Engine) -> None:
+    stmt = sa.select(sa.bindparam("word", type_=_Shout).label("word"))
+    run = DriverStatement(stmt, engine.dialect)
+    with engine.connect() as conn:
+        with pytest.raises(sa.exc.SQLAlchemyError, match="A value is required for bind parameter 'word'"):
+            conn.execute(stmt, {}).all()
+        conn.rollback()
+        with pytest.raises(sa.exc.SQLAlchemyError, match="A value is required for bind parameter 'word'"):
+            run.all(conn, {})
