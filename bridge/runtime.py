@@ -1,8 +1,11 @@
-"""Process-level tuning for pollbridge's long-running commands (relay, scheduler, poller, guardian, run-all)."""
+"""Process-level set-up for pollbridge's long-running commands (relay, scheduler, poller, guardian, run-all)."""
 
 from __future__ import annotations
 
+import faulthandler
 import gc
+import signal
+import sys
 
 
 def settle_heap() -> None:
@@ -17,3 +20,15 @@ def settle_heap() -> None:
     allocates later is collected as before."""
     gc.collect()
     gc.freeze()
+
+
+def enable_stack_dumps() -> None:
+    """``kill -USR1 PID`` writes every thread's stack to the process's stderr, and the process goes on.
+
+    For a process that looks stuck (no progress, nothing in its log): where each thread waits tells a
+    lock wait from a busy loop from an idle one, without a debugger on a production host. Written by
+    the interpreter's signal handler, so it works even when Python code cannot run (a thread holding
+    the GIL in C). Not available on Windows (no SIGUSR1)."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    if usr1 is not None:
+        faulthandler.register(usr1, file=sys.stderr, all_threads=True)

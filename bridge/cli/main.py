@@ -23,7 +23,7 @@ from rich.table import Table
 from bridge import __version__, install
 from bridge.db import check_connection, create_engine, mask_url
 from bridge.exceptions import PollbridgeError
-from bridge.runtime import settle_heap
+from bridge.runtime import enable_stack_dumps, settle_heap
 from bridge.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL, Settings, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -86,6 +86,7 @@ def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_ur
     """Move a workflow platform from a polling scheduler to an event-driven one."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    enable_stack_dumps()  # first thing, so no SIGUSR1 ever meets its default action (terminate)
     ctx.obj = {"config": config, "database_url": database_url, "bus_url": bus_url, "settings": None}
 
 

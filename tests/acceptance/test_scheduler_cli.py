@@ -313,6 +313,13 @@ def test_scheduler_run_dispatches_and_stops_cleanly_on_sigterm(sqlite_url: str, 
         started.append(sched)
         wait_for(lambda: len(_dispatch_rows(engine)) == 2, 30, what="the two root tasks to be dispatched")
         assert _all_partitions_held(engine)
+        # SIGUSR1: every thread's stack on stderr (for a process that looks stuck), and it goes on running.
+        sched.proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "Current thread" in sched.stderr() and "event_scheduler/scheduler.py" in sched.stderr(),
+                 30, what="the stack dump")
+        dump = sched.stderr()
+        assert "Thread 0x" in dump and "event_scheduler/timers.py" in dump, dump  # the other threads too
+        assert sched.proc.poll() is None, dump
         assert sched.terminate() == 0, sched.stderr()
         err = sched.stderr()
         assert "Traceback" not in err, err
