@@ -34,7 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.abc import EventBus
 from bridge.capture import WakeMode
-from bridge.db import db_now, mask_url
+from bridge.db import db_now, mask_url, read_only
 from bridge.driver import DriverStatement
 from bridge.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
 from bridge.idle import idle_poll
@@ -158,6 +158,10 @@ class Relay:
                        .values(published_at=db_now(engine.dialect.name))
                        .returning(*outbox.c, event_payload_sql(engine.dialect.name)))
         self._claim_run = DriverStatement(self._claim, engine.dialect)  # once per cycle: straight to the driver
+        # SQLite: every claim is a write transaction, and one process at a time holds the write lock; reads
+        # (the peek before a claim, the backlog probe) go through a deferred, lock-free transaction.
+        self._peek = sa.select(o.id).where(o.relay_partition == partition, o.published_at.is_(None)).limit(1)
+        self._reader = None if self.pg else read_only(engine)
         self._valid_statuses = statuses.values() if statuses is not None else None
         ensure_state_row(engine, partition)
 
@@ -213,14 +217,32 @@ class Relay:
             self.metrics.dead_letters.inc(dead)
             log.warning("relay set aside %d malformed outbox row(s) in pollbridge_outbox_dead", dead)
 
+    def _has_unpublished(self) -> bool:
+        """Whether a claim would find a row, asked without the write lock (SQLite).
+
+        On SQLite an empty claim still takes the database's one write lock, and the relay claims every
+        ``poll_interval`` while changes trickle in: the application, the workers and the schedulers then
+        queue behind a claim that finds nothing. This read (on the partial index of unpublished rows)
+        takes no lock; a row it misses by a moment is found on the next cycle."""
+        assert self._reader is not None
+        with self._reader.connect() as conn:
+            found = conn.execute(self._peek).first() is not None
+            conn.rollback()
+        return found
+
     # --- housekeeping -------------------------------------------------------------------------------
     def probe(self) -> int:
         """Backlog and oldest age of this partition (the idle fallback probe; also feeds the gauges)."""
         o = outbox.c
-        with self._begin() as conn:
-            count, oldest = conn.execute(
-                sa.select(sa.func.count(), sa.func.min(o.created_at))
-                .where(o.relay_partition == self.partition, o.published_at.is_(None))).one()
+        query = (sa.select(sa.func.count(), sa.func.min(o.created_at))
+                 .where(o.relay_partition == self.partition, o.published_at.is_(None)))
+        if self._reader is not None:  # SQLite: a read needs no write lock
+            with self._reader.connect() as conn:
+                count, oldest = conn.execute(query).one()
+                conn.rollback()
+        else:
+            with self._begin() as conn:
+                count, oldest = conn.execute(query).one()
         self.metrics.backlog.labels(**self._labels).set(count)
         oldest_utc = as_utc(oldest)
         age = (datetime.now(UTC) - oldest_utc).total_seconds() if oldest_utc else 0.0
@@ -400,7 +422,8 @@ class Relay:
                             self.metrics.backlog.labels(**self._labels).set(0)
                             self.metrics.oldest_age.labels(**self._labels).set(0.0)
                         next_purge = now + self.settings.purge_interval
-                    handled = self.publish_batch()
+                    handled = self.publish_batch() if self.pg or handled >= self.settings.batch_size \
+                        or self._has_unpublished() else 0
                     backoff = 0.1
                     if handled:
                         last_rows = time.monotonic()

@@ -30,5 +30,14 @@ def enable_stack_dumps() -> None:
     the interpreter's signal handler, so it works even when Python code cannot run (a thread holding
     the GIL in C). Not available on Windows (no SIGUSR1)."""
     usr1 = getattr(signal, "SIGUSR1", None)
-    if usr1 is not None:
-        faulthandler.register(usr1, file=sys.stderr, all_threads=True)
+    if usr1 is None:
+        return
+    # faulthandler writes to a file descriptor: under click's CliRunner (tests, embedding) sys.stderr is an
+    # in-memory stream without one, and the process's own stderr is the one to use; with none, no dumps.
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            if stream is not None:
+                faulthandler.register(usr1, file=stream.fileno(), all_threads=True)
+                return
+        except (AttributeError, OSError, ValueError, RuntimeError):
+            continue

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.engine import Engine
 
-from bridge.db import db_now
+from bridge.db import db_now, read_only
 from bridge.settings import WorkerSettings
 from bridge.tasktable import TaskTable
 
@@ -52,6 +52,11 @@ class WorkerPool:
         self._finished = Counter(
             "pollbridge_demo_worker_tasks", "Tasks the demo workers finished", ["outcome"], registry=registry
         )
+        # SQLite: a claim is a write transaction and the database has one write lock, so idle workers (each
+        # claiming every idle_sleep) would keep the relay and the schedulers waiting; they look first, without it.
+        self._reader = read_only(engine)
+        self._peek = (sa.select(tables.col("id")).where(tables.col("status") == tables.statuses.dispatched).limit(1)
+                      if engine.dialect.name == "sqlite" else None)
         self._lock = threading.Lock()
         self.completed = 0
         self.failed = 0
@@ -92,6 +97,12 @@ class WorkerPool:
 
     def work_one(self) -> bool:
         """Claim, run and finish one task; ``False`` when none was waiting."""
+        if self._peek is not None:
+            with self._reader.connect() as conn:
+                waiting = conn.execute(self._peek).first() is not None
+                conn.rollback()
+            if not waiting:
+                return False
         with self.engine.begin() as conn:
             task_id = conn.execute(self._claim_statement()).scalar()
         if task_id is None:

@@ -86,7 +86,7 @@ def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_ur
     """Move a workflow platform from a polling scheduler to an event-driven one."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    enable_stack_dumps()  # first thing, so no SIGUSR1 ever meets its default action (terminate)
+    enable_stack_dumps()  # as early as the CLI can: before it, SIGUSR1 still meets its default action (exit)
     ctx.obj = {"config": config, "database_url": database_url, "bus_url": bus_url, "settings": None}
 
 

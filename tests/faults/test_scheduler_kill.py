@@ -78,7 +78,7 @@ class Processes:
     def dump_stacks(self) -> None:
         """Ask every live process for its threads' stacks (SIGUSR1, see bridge.runtime) and wait for them."""
         logs = sorted(self.cwd.glob("*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-        live = [log for proc, log in zip(self.procs, logs, strict=True) if proc.poll() is None]
+        live = [log for proc, log in zip(self.procs, logs, strict=False) if proc.poll() is None]
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGUSR1)
@@ -209,8 +209,12 @@ def _run_kill_scenario(tmp_path: Path, db_url: str, bus_url: str, namespace: str
         assert a2.poll() is None and survivor.poll() is None, procs.logs()
         after_kill = _dispatches(engine) - at_kill
     except BaseException:
-        procs.dump_stacks()
-        print(f"leases: {_holders(engine, bus)}\n{_unfinished(engine, bus, tables, ids)}\n{procs.logs(tail=20_000)}")
+        try:  # the diagnosis must not replace the failure it is for
+            procs.dump_stacks()
+            print(f"leases: {_holders(engine, bus)}\n{_unfinished(engine, bus, tables, ids)}")
+        except Exception as exc:
+            print(f"(diagnostics failed: {type(exc).__name__}: {exc})")
+        print(procs.logs(tail=20_000))
         raise
     finally:
         procs.stop_all()
