@@ -1,16 +1,17 @@
-"""Write transactions on the embedded default (SQLite): how often the relay and the demo workers take the
-database's one write lock, idle and while changes trickle in.
+"""Write transactions on the embedded default (SQLite): how often the relay, the event scheduler and the
+demo workers take the database's one write lock, idle and while changes trickle in.
 
     python -m bench.sqlite_locks [--seconds 5] [--interval 0.02] [--json F] [--quick]
 
-In a scratch SQLite file: the reference schema, a relay (default settings, embedded bus) and a pool of 4
-demo workers, all in this process. After two seconds of settling it counts ``BEGIN IMMEDIATE`` (every
-write transaction on SQLite begins with it, see ``bridge.db``) for ``--seconds`` idle, then for
+In a scratch SQLite file: the reference schema, a relay (default settings, embedded bus), an event
+scheduler (every type in ``cutover``) and a pool of 4 demo workers, all in this process. After two
+seconds of settling it counts ``BEGIN IMMEDIATE`` (every write transaction on SQLite begins with it, see
+``bridge.db``) for ``--seconds`` idle, then for
 ``--seconds`` while the application inserts one task every ``--interval`` seconds (its own inserts are
-not counted; nothing dispatches them, so the workers stay idle and the second figure is the relay's
-claims plus the workers' idle looks). Twice: with the relay and the workers looking for work without the
-lock first (what they do), then with that look switched off (what they did until 2026-12-01). Every
-write transaction of one process makes the others wait: on SQLite the idle ones are pure contention.
+not counted; each is dispatched, run and completed, so the figure includes that work). Twice: with the
+relay, the scheduler's bus reads and the workers looking for work without the lock first (what they do),
+then with those looks switched off (what they did until 2026-12-01). Every write transaction of one
+process makes the others wait: on SQLite the idle ones are pure contention.
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
 
 from bench.common import machine, write_json
 from bridge import install
 from bridge.bus import open_bus
+from bridge.bus.embedded import EmbeddedBus
 from bridge.db import create_engine
 from bridge.mapping import TaskTableMapping
 from bridge.relay import Relay
-from bridge.settings import RelaySettings, WorkerSettings
+from bridge.routing import FixedRouter
+from bridge.settings import RelaySettings, SchedulerSettings, WorkerSettings
 from bridge.tasktable import reflect_tables
 from bridge.workload import TaskSpec, WorkflowSpec, seed
+from event_scheduler.scheduler import EventScheduler
 from legacy_poller.workers import WorkerPool
 
 
@@ -42,10 +47,15 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
     tables = reflect_tables(engine, TaskTableMapping())
     relay = Relay(engine, open_bus("embedded", engine=engine, partitions=4), RelaySettings(),
                   statuses=tables.mapping.statuses)
+    bus = open_bus("embedded", engine=engine, partitions=4)
+    scheduler = EventScheduler(engine, tables, bus, SchedulerSettings(), FixedRouter("cutover"),
+                               registry=CollectorRegistry())
     pool = WorkerPool(engine, tables, WorkerSettings(concurrency=4))
     if not look_first:  # the behaviour before 2026-12-01: claim every cycle, found or not
         pool._peek = None
         relay._has_unpublished = lambda: True  # type: ignore[method-assign]
+        assert isinstance(bus, EmbeddedBus)
+        bus._look_first = False
     writes = [0]
     counting = threading.Lock()  # the relay's thread and the workers' count at once
 
@@ -55,8 +65,10 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
                 writes[0] += 1
 
     stop = threading.Event()
-    thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=relay.run, args=(stop,), daemon=True),
+               threading.Thread(target=scheduler.run, args=(stop,), daemon=True)]
+    for thread in threads:
+        thread.start()
     pool.start()
     try:
         stop.wait(2.0)  # leadership, first claims, the workers' first looks
@@ -75,13 +87,15 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
         elapsed = time.monotonic() - started
         with counting:
             trickle = (writes[0] - inserted) / elapsed
+        completed = pool.stats().completed
     finally:
         stop.set()
-        thread.join(10)
+        for thread in threads:
+            thread.join(10)
         pool.stop()
         engine.dispose()
     return {"idle_writes_per_s": round(idle, 1), "trickle_writes_per_s": round(trickle, 1),
-            "changes_per_s": round(inserted / elapsed, 1)}
+            "changes_per_s": round(inserted / elapsed, 1), "inserted": inserted, "completed": completed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         results = {"look first (now)": measure(Path(tmp), look_first=True, seconds=seconds, interval=args.interval),
                    "claim every cycle (before)": measure(Path(tmp), look_first=False, seconds=seconds,
                                                          interval=args.interval)}
-    print(f"{'relay + 4 demo workers on SQLite':<32} {'idle writes/s':>14} {'writes/s with changes':>22}")
+    print(f"{'relay, scheduler, 4 workers':<32} {'idle writes/s':>14} {'writes/s with tasks':>20}")
     for name, r in results.items():
-        print(f"{name:<32} {r['idle_writes_per_s']:>14} {r['trickle_writes_per_s']:>22}  "
-              f"({r['changes_per_s']} changes/s)")
+        print(f"{name:<32} {r['idle_writes_per_s']:>14} {r['trickle_writes_per_s']:>20}  "
+              f"({r['changes_per_s']} tasks/s inserted; {r['completed']} of {r['inserted']} completed)")
     write_json(args.json_path, {"machine": machine(), "seconds": seconds, "interval": args.interval,
                                 "results": results})
     return 0

@@ -106,6 +106,8 @@ class EmbeddedBus(EventBus):
         # Lock-free checks: on SQLite a deferred transaction, so idle polling takes no write lock.
         self._reader = read_only(engine)
         self._dialect = engine.dialect.name
+        # SQLite: every transaction that writes takes the database's one lock, so a consumer looks first.
+        self._look_first = self._dialect == "sqlite"
         self._poll = poll_interval
         self._wakeup = _wakeup_for(engine)
         self._last_delivery = time.monotonic()
@@ -190,9 +192,11 @@ class EmbeddedBus(EventBus):
         if not parts:
             return []
         deadline = time.monotonic() + max(block, 0.0)
+        # On SQLite a take is a write transaction, found or not: look first, without the lock.
+        known = not self._look_first
         while True:
             seen = self._wakeup.generation
-            got = self._take(group, consumer, parts, count)
+            got = self._take(group, consumer, parts, count) if known or self._has_undelivered(group, parts) else []
             if got:
                 self._last_delivery = time.monotonic()
                 return got
@@ -208,38 +212,62 @@ class EmbeddedBus(EventBus):
                     self._last_delivery = time.monotonic()
                 seen = moved
                 if self._has_undelivered(group, parts):
+                    known = True
                     break
+
+    def ack_and_read(self, group: str, acks: Sequence[Delivery], consumer: str, partitions: Sequence[int],
+                     count: int, block: float) -> list[Delivery]:
+        """On SQLite the acknowledgements and the next take share one write transaction (the lock is taken
+        once, not twice, per batch a draining consumer handles); elsewhere as :class:`EventBus` does."""
+        ids = sorted({int(d.entry_id) for d in acks})
+        if not ids or not self._look_first:
+            return super().ack_and_read(group, acks, consumer, partitions, count, block)
+        parts = self._checked(partitions)
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        _group(group)
+        with self._engine.begin() as conn:
+            self._delete_pending(conn, group, ids)
+            got = self._take_in(conn, group, consumer, parts, count) if parts else []
+        if got:
+            self._last_delivery = time.monotonic()
+            return got
+        return self.read(group, consumer, partitions, count, block)
 
     def _take(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
         """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction."""
         with self._engine.begin() as conn:
+            return self._take_in(conn, group, consumer, parts, count)
+
+    def _take_in(self, conn: Connection, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
+        """:meth:`_take` inside the caller's write transaction."""
+        offsets = self._offsets(conn, group, parts, lock=True)
+        if len(offsets) < len(parts):
+            self._insert_group_rows(conn, group, [p for p in parts if p not in offsets])
             offsets = self._offsets(conn, group, parts, lock=True)
-            if len(offsets) < len(parts):
-                self._insert_group_rows(conn, group, [p for p in parts if p not in offsets])
-                offsets = self._offsets(conn, group, parts, lock=True)
-            rows = conn.execute(
-                sa.select(bus_log.c.id, bus_log.c.partition, bus_log.c.payload)
-                .where(_after(offsets))
-                .order_by(bus_log.c.id)
-                .limit(count)
-            ).all()
-            if not rows:
-                return []
-            conn.execute(
-                bus_pending.insert().values(delivered_at=db_now(self._dialect)),
-                [{"group_name": group, "entry_id": r.id, "partition": r.partition, "consumer": consumer,
-                  "deliveries": 1} for r in rows],
-            )
-            last: dict[int, int] = {}
-            for r in rows:
-                last[int(r.partition)] = max(last.get(int(r.partition), 0), int(r.id))
-            conn.execute(
-                bus_groups.update()
-                .where(bus_groups.c.group_name == sa.bindparam("b_group"),
-                       bus_groups.c.partition == sa.bindparam("b_partition"))
-                .values(last_delivered_id=sa.bindparam("b_last")),
-                [{"b_group": group, "b_partition": p, "b_last": v} for p, v in last.items()],
-            )
+        rows = conn.execute(
+            sa.select(bus_log.c.id, bus_log.c.partition, bus_log.c.payload)
+            .where(_after(offsets))
+            .order_by(bus_log.c.id)
+            .limit(count)
+        ).all()
+        if not rows:
+            return []
+        conn.execute(
+            bus_pending.insert().values(delivered_at=db_now(self._dialect)),
+            [{"group_name": group, "entry_id": r.id, "partition": r.partition, "consumer": consumer,
+              "deliveries": 1} for r in rows],
+        )
+        last: dict[int, int] = {}
+        for r in rows:
+            last[int(r.partition)] = max(last.get(int(r.partition), 0), int(r.id))
+        conn.execute(
+            bus_groups.update()
+            .where(bus_groups.c.group_name == sa.bindparam("b_group"),
+                   bus_groups.c.partition == sa.bindparam("b_partition"))
+            .values(last_delivered_id=sa.bindparam("b_last")),
+            [{"b_group": group, "b_partition": p, "b_last": v} for p, v in last.items()],
+        )
         return [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
 
     def _has_undelivered(self, group: str, parts: list[int]) -> bool:
@@ -292,8 +320,11 @@ class EmbeddedBus(EventBus):
         if not ids:
             return
         with self._engine.begin() as conn:
-            conn.execute(bus_pending.delete().where(bus_pending.c.group_name == group,
-                                                    bus_pending.c.entry_id.in_(ids)))
+            self._delete_pending(conn, group, ids)
+
+    @staticmethod
+    def _delete_pending(conn: Connection, group: str, ids: list[int]) -> None:
+        conn.execute(bus_pending.delete().where(bus_pending.c.group_name == group, bus_pending.c.entry_id.in_(ids)))
 
     def claim_stale(self, group: str, consumer: str, partitions: Sequence[int], min_idle: float,
                     count: int) -> list[Delivery]:

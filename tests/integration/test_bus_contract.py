@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -630,6 +631,35 @@ def test_embedded_publish_in_the_callers_transaction(db_url: str) -> None:
             bus.publish_in(conn, [kept])
         assert [d.payload for d in bus.read("g", "c", ALL, 10, 1.0)] == [kept.to_json()]
     finally:
+        engine.dispose()
+
+
+def test_embedded_on_sqlite_takes_the_write_lock_only_to_deliver_or_acknowledge(sqlite_url: str) -> None:
+    """SQLite has one write lock for every process: an idle read takes it never, a draining consumer's
+    acknowledgements and next batch take it once together."""
+    engine = create_engine(sqlite_url)
+    writes: list[str] = []
+
+    def seen(_conn: object, _cursor: object, statement: str, *_rest: object) -> None:
+        if statement.startswith("BEGIN IMMEDIATE"):
+            writes.append(statement)
+
+    try:
+        bus = EmbeddedBus(engine, partitions=P)
+        bus.ensure_group("g")
+        sa.event.listen(engine, "before_cursor_execute", seen)
+        assert bus.read("g", "c", ALL, 10, 0.3) == []
+        assert writes == []  # looked (read-only) several times during the block, never took the lock
+        bus.publish([_event("inst-1", 1), _event("inst-2", 2)])
+        writes.clear()
+        first = bus.read("g", "c", ALL, 1, 0.0)
+        assert len(first) == 1 and len(writes) == 1
+        writes.clear()
+        second = bus.ack_and_read("g", first, "c", ALL, 10, 0.0)
+        assert [d.event.data["n"] for d in second if d.event is not None] == [2] and len(writes) == 1
+        assert bus.pending_count("g") == 1
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
         engine.dispose()
 
 
