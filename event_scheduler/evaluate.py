@@ -58,6 +58,9 @@ TimerSpec = tuple[datetime, str, str, tuple[object, ...]]
 #: The soonest a due timer fires: a task the database still finds not due is looked at again after this.
 DUE_RECHECK = 0.02
 
+#: A ready task whose compare-and-set matched nothing is looked at again after this many seconds.
+LOST_RACE_RECHECK = 0.5
+
 #: Instances whose dispatch count the depth guard keeps in memory (least recently used dropped).
 DEPTH_CACHE = 100_000
 
@@ -393,6 +396,13 @@ class Evaluator:
                     self._remember_depth(t.instance_id, self._depths.get(t.instance_id, 0) + 1)
             if len(won) < len(to_dispatch):
                 self.metrics.lost_races.inc(len(to_dispatch) - len(won))
+                # Usually another dispatcher took the task, and the second look finds nothing to do. But the
+                # evaluation found it ready and armed no timer for it: if the write's own readiness test
+                # failed for another reason (the clock stepped back across a due time), nothing else would
+                # ever look at the instance again.
+                again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
+                for instance_id in sorted({t.instance_id for t in to_dispatch if t not in won}):
+                    result.timers.append((again, "due", instance_id, ()))
             per_type: dict[str | None, int] = defaultdict(int)
             for t in won:
                 per_type[t.workflow_type] += 1

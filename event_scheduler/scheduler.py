@@ -395,10 +395,13 @@ class EventScheduler:
             log.info("scheduler %s released partitions %s", self.holder, sorted(lost))
         if acquired:
             log.info("scheduler %s acquired partitions %s", self.holder, sorted(acquired))
-            self.claim_stale()
             if background:
+                # Queued before the claim: a claim that fails (the cycle is retried, but the partitions are
+                # owned now and the next refresh acquires nothing) must not lose the catch-up with it.
                 self._catch_up_later(acquired)
+                self.claim_stale()
             else:
+                self.claim_stale()
                 self.catch_up(acquired)
 
     def _drop_connection(self) -> None:

@@ -27,7 +27,7 @@ from support import wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.bus.abc import partition_for
-from bridge.db import create_engine, read_only
+from bridge.db import create_engine, db_now, read_only
 from bridge.mapping import TaskTableMapping
 from bridge.schema import dispatch_log, outbox
 from bridge.settings import SchedulerSettings
@@ -137,7 +137,9 @@ def _unfinished(engine: Engine, bus: EventBus, tables: TaskTable, ids: list[str]
         logged = Counter(r.task_id for r in conn.execute(sa.select(dispatch_log.c.task_id)))
         unpublished = conn.execute(sa.select(sa.func.count()).select_from(outbox)
                                    .where(outbox.c.published_at.is_(None))).scalar_one()
-    lines = [f"outbox rows unpublished: {unpublished}; bus lag {bus.lag(group)}, pending {bus.pending_count(group)}",
+        clock = conn.execute(sa.select(db_now(engine.dialect.name))).scalar_one()
+    lines = [f"database clock {clock}; outbox rows unpublished: {unpublished}; bus lag {bus.lag(group)}, "
+             f"pending {bus.pending_count(group)}",
              f"{len(tasks)} task(s) not completed:"]
     for t in tasks[:40]:
         lines.append(f"  {t.instance_id}/{t.key} id={t.id} status={t.status} due={t.due_at} deps={t.depends_on} "

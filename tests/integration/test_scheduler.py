@@ -18,6 +18,7 @@ from bridge.schema import decisions, dispatch_log, signals
 from bridge.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
 from bridge.verify import verify
 from bridge.workload import TaskSpec, WorkflowSpec, demo_workload, seed
+from event_scheduler import evaluate as evaluate_module
 from event_scheduler.exceptions import SignalError
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
@@ -356,3 +357,41 @@ def test_depth_guard_parks_a_runaway_instance_for_review(env: Env, stack: Stack)
     assert statuses["t3"] == "review"
     assert statuses["t4"] == statuses["t5"] == "pending"
     assert _paths(env) == {"events": 3}
+
+
+def test_a_ready_task_whose_compare_and_set_matched_nothing_is_looked_at_again(
+        env: Env, stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Losing the compare-and-set usually means another dispatcher won; when nothing did (the write's own
+    readiness test failed), the instance must still be evaluated again: there is no relay here, so only
+    the re-check timer the loss arms can bring the task back."""
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("raced", "orders", (TaskSpec("a"),))])
+    real = evaluate_module.dispatch_many
+    calls: list[int] = []
+
+    def first_write_matches_nothing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return [] if len(calls) == 1 else real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "dispatch_many", first_write_matches_nothing)
+    sched = stack.scheduler("cutover")  # its start-up catch-up finds the task ready, and loses the write
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the re-check to dispatch the task")
+    assert len(calls) >= 2
+    assert sched.metrics.value("pollbridge_scheduler_lost_races_total") == 1
+
+
+def test_a_claim_that_fails_on_acquisition_does_not_lose_the_catch_up(
+        env: Env, stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partitions are owned once the lease round committed: the next round acquires nothing, so the
+    catch-up must already be queued when claiming the dead owner's entries fails."""
+    with env.engine.begin() as conn:
+        seed(conn, env.tables, [WorkflowSpec("orphan", "orders", (TaskSpec("a"),))])
+    sched = stack.scheduler("cutover", start=False)
+
+    def claim_fails() -> int:
+        raise RuntimeError("bus unavailable")
+
+    monkeypatch.setattr(sched, "claim_stale", claim_fails)
+    with pytest.raises(RuntimeError, match="bus unavailable"):
+        sched.refresh_leases(background=True)
+    wait_for(lambda: _paths(env).get("events") == 1, 15, what="the catch-up to dispatch the ready task")
