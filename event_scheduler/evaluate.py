@@ -400,8 +400,12 @@ class Evaluator:
                 # evaluation found it ready and armed no timer for it: if the write's own readiness test
                 # failed for another reason (the clock stepped back across a due time), nothing else would
                 # ever look at the instance again.
+                lost = [t for t in to_dispatch if t not in won]
+                tt = self.tables
+                still = {str(i) for i in self._read(conn, sa.select(tt.col("id")).where(
+                    tt.col("id").in_([t.task_id for t in lost]), tt.col("status") == tt.statuses.pending)).scalars()}
                 again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
-                for instance_id in sorted({t.instance_id for t in to_dispatch if t not in won}):
+                for instance_id in sorted({t.instance_id for t in lost if str(t.task_id) in still}):
                     result.timers.append((again, "due", instance_id, ()))
             per_type: dict[str | None, int] = defaultdict(int)
             for t in won:

@@ -401,8 +401,10 @@ class EventScheduler:
                 self._catch_up_later(acquired)
                 self.claim_stale()
             else:
-                self.claim_stale()
-                self.catch_up(acquired)
+                try:
+                    self.claim_stale()
+                finally:
+                    self.catch_up(acquired)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:

@@ -329,11 +329,17 @@ def test_ack_and_read_acknowledges_before_reading_the_next_batch(bus: EventBus) 
     assert bus.pending_count("g") == 0
 
 
+@pytest.mark.parametrize("via", ["read", "ack_and_read"])
 @pytest.mark.parametrize("how", ["publish", "raw"])
 def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twin: Callable[[], EventBus],
-                                                              how: str) -> None:
-    """``publish`` from another bus object; ``raw`` writes the storage directly, as another process would."""
+                                                              how: str, via: str) -> None:
+    """``publish`` from another bus object; ``raw`` writes the storage directly, as another process would.
+    ``ack_and_read`` blocks the same way, its acknowledgements made before it waits."""
     bus.ensure_group("g")
+    earlier: list[Delivery] = []
+    if via == "ack_and_read":
+        bus.publish([_event("inst-earlier", 0)])
+        earlier = _read_n(bus, "g", "c", 1)
     publisher = twin()
     event = _event("inst-wake", 1)
     published_at: list[float] = []
@@ -348,12 +354,24 @@ def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twi
     timer = threading.Timer(0.3, publish)  # lands inside the block below
     start = time.monotonic()
     timer.start()
-    got = bus.read("g", "c", ALL, 10, 10.0)
+    got = bus.read("g", "c", ALL, 10, 10.0) if via == "read" else bus.ack_and_read("g", earlier, "c", ALL, 10, 10.0)
     returned = time.monotonic()
     timer.join(10)
     assert [d.payload for d in got] == [event.to_json()]
     assert returned - start < 5.0
     assert returned - published_at[0] < 1.0
+    assert bus.pending_count("g") == 1  # the new entry; the earlier one was acknowledged
+
+
+def test_a_read_registers_a_group_nobody_ensured_even_when_nothing_is_there(bus: EventBus) -> None:
+    """A consumer that reads an empty log without ``ensure_group`` is a group from then on: a trim keeps
+    what it has not read, even after every other group read and acknowledged it."""
+    bus.ensure_group("g")
+    assert bus.read("late", "c", ALL, 10, 0.0) == []
+    bus.publish([_event("inst-late", n) for n in range(3)])
+    bus.ack("g", _read_n(bus, "g", "c", 3))
+    bus.trim(0.0)
+    assert len(_read_n(bus, "late", "c", 3)) == 3
 
 
 def test_blocking_read_returns_nothing_after_the_block_when_nothing_comes(bus: EventBus) -> None:
