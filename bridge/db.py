@@ -108,6 +108,16 @@ def read_only(engine: Engine) -> Engine:
     return engine.execution_options(**{READ_ONLY: True})
 
 
+def finds_a_row(reader: Engine, statement: sa.Select[Any]) -> bool:
+    """Whether ``statement`` returns a row, read through ``reader`` (a :func:`read_only` engine) in a
+    transaction that ends at once: on SQLite the look a poller takes before a claim, which is a write
+    transaction and would take the database's one write lock even when it finds nothing."""
+    with reader.connect() as conn:
+        found = conn.execute(statement).first() is not None
+        conn.rollback()
+    return found
+
+
 def autocommit(engine: Engine) -> Engine:
     """The engine for single statements that need no transaction around them (reads, and writes that are
     atomic as one statement): no BEGIN and COMMIT round trips on PostgreSQL; on SQLite, :func:`read_only`."""

@@ -34,7 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.abc import EventBus
 from bridge.capture import WakeMode
-from bridge.db import db_now, mask_url, read_only
+from bridge.db import db_now, finds_a_row, mask_url, read_only
 from bridge.driver import DriverStatement
 from bridge.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
 from bridge.idle import idle_poll
@@ -225,10 +225,7 @@ class Relay:
         queue behind a claim that finds nothing. This read (on the partial index of unpublished rows)
         takes no lock; a row it misses by a moment is found on the next cycle."""
         assert self._reader is not None
-        with self._reader.connect() as conn:
-            found = conn.execute(self._peek).first() is not None
-            conn.rollback()
-        return found
+        return finds_a_row(self._reader, self._peek)
 
     # --- housekeeping -------------------------------------------------------------------------------
     def probe(self) -> int:

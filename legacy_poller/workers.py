@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.engine import Engine
 
-from bridge.db import db_now, read_only
+from bridge.db import db_now, finds_a_row, read_only
 from bridge.settings import WorkerSettings
 from bridge.tasktable import TaskTable
 
@@ -97,12 +97,8 @@ class WorkerPool:
 
     def work_one(self) -> bool:
         """Claim, run and finish one task; ``False`` when none was waiting."""
-        if self._peek is not None:
-            with self._reader.connect() as conn:
-                waiting = conn.execute(self._peek).first() is not None
-                conn.rollback()
-            if not waiting:
-                return False
+        if self._peek is not None and not finds_a_row(self._reader, self._peek):
+            return False
         with self.engine.begin() as conn:
             task_id = conn.execute(self._claim_statement()).scalar()
         if task_id is None:

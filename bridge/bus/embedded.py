@@ -185,11 +185,16 @@ class EmbeddedBus(EventBus):
 
     # ------------------------------------------------------------------ reading
 
-    def read(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float) -> list[Delivery]:
+    def _read_args(self, group: str, partitions: Sequence[int], count: int) -> list[int]:
+        """The partitions to read, once the arguments of a group read are checked."""
         parts = self._checked(partitions)
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         _group(group)
+        return parts
+
+    def read(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float) -> list[Delivery]:
+        parts = self._read_args(group, partitions, count)
         if not parts:
             return []
         deadline = time.monotonic() + max(block, 0.0)
@@ -223,10 +228,7 @@ class EmbeddedBus(EventBus):
         ids = sorted({int(d.entry_id) for d in acks})
         if not ids or not self._look_first:
             return super().ack_and_read(group, acks, consumer, partitions, count, block)
-        parts = self._checked(partitions)
-        if count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        _group(group)
+        parts = self._read_args(group, partitions, count)
         try:
             with self._engine.begin() as conn:
                 self._delete_pending(conn, group, ids)

@@ -199,23 +199,29 @@ def test_alternative_schema_through_the_mapping_alone(empty_db_url: str) -> None
         engine.dispose()
 
 
-def test_idle_workers_take_no_write_lock_on_sqlite(engine: Engine, tables: TaskTable, workers: WorkerPool) -> None:
-    """SQLite has one write lock; idle workers look for a dispatched task without it (PostgreSQL workers
-    claim with SKIP LOCKED and take no such lock). A task dispatched meanwhile is still picked up."""
-    if engine.dialect.name != "sqlite":
-        pytest.skip("PostgreSQL has no database-wide write lock for idle workers to hold")
+def test_idle_workers_take_no_write_lock_on_sqlite(sqlite_url: str) -> None:
+    """SQLite has one write lock; idle workers look for a dispatched task without it (PostgreSQL has no
+    such lock: its workers claim with SKIP LOCKED). A task dispatched meanwhile is still picked up."""
+    engine = create_engine(sqlite_url)
+    tables = reflect_tables(engine, TaskTableMapping())
+    workers = WorkerPool(engine, tables, FAST_WORKERS, seed=1)
     statements: list[str] = []
 
     def seen(conn: object, cursor: object, statement: str, *rest: object) -> None:
         statements.append(statement)
 
-    sa.event.listen(engine, "before_cursor_execute", seen)
+    workers.start()
     try:
-        wait_for(lambda: len(statements) >= 30, 10, what="the idle workers to look 30 times")
+        sa.event.listen(engine, "before_cursor_execute", seen)
+        try:
+            wait_for(lambda: len(statements) >= 30, 10, what="the idle workers to look 30 times")
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", seen)
+        assert not [s for s in statements if s.upper().startswith("BEGIN IMMEDIATE")], statements[:5]
+        with engine.begin() as conn:
+            seed(conn, tables, [WorkflowSpec("idle", "orders", (TaskSpec("a"),))])
+            conn.execute(tables.tasks.update().values(status=tables.statuses.dispatched))
+        wait_for(lambda: workers.stats().completed == 1, 10, what="the dispatched task to be worked")
     finally:
-        sa.event.remove(engine, "before_cursor_execute", seen)
-    assert not [s for s in statements if s.upper().startswith("BEGIN IMMEDIATE")], statements[:5]
-    with engine.begin() as conn:
-        seed(conn, tables, [WorkflowSpec("idle", "orders", (TaskSpec("a"),))])
-        conn.execute(tables.tasks.update().values(status=tables.statuses.dispatched))
-    wait_for(lambda: workers.stats().completed == 1, 10, what="the dispatched task to be worked")
+        workers.stop()
+        engine.dispose()
