@@ -76,11 +76,11 @@ from sqlalchemy.engine import make_url
 import bench.relay
 from bench.common import PG_ADMIN_URL, REDIS_URL, db_url, delete_namespace, machine, scratch_database, write_json
 from bench.relay import latency
-from bridge import install
-from bridge.capture import WakeMode, remove_capture
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.settings import CaptureSettings, RelaySettings
+from bridge.app import install
+from bridge.capture.triggers import remove_capture
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import CaptureSettings, RelaySettings, WakeMode
+from bridge.db.engine import create_engine
 
 DATABASE = "pollbridge_bench_capture"
 CLIENTS = (1, 8)

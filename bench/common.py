@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from bridge.verify import percentile
+from bridge.reference.oracle import percentile
 
 PG_ADMIN_URL = os.environ.get("POLLBRIDGE_BENCH_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("POLLBRIDGE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")

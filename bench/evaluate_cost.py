@@ -5,7 +5,7 @@
 Seeds 200 chains of 10 tasks in a scratch PostgreSQL database, then runs the event scheduler's evaluation
 of one instance ``--calls`` times on one kept autocommit connection, as the scheduler's loop does: first
 with ``Connection.execute`` (what the scheduler did until 2026-12-01), then the scheduler's driver path
-(``bridge.driver.DriverStatement``: the compiled SQL on the psycopg connection underneath, named rows,
+(``bridge.db.driver.DriverStatement``: the compiled SQL on the psycopg connection underneath, named rows,
 statement listeners), then the bare SQL text and parameters through psycopg (prepared). Reports CPU
 (``time.process_time``) and wall time per call. Run it on an idle machine.
 """
@@ -22,13 +22,13 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from bench.common import scratch_database, write_json
-from bridge import install
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.routing import FixedRouter
-from bridge.settings import CaptureSettings, SchedulerSettings
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.app import install
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import CaptureSettings, SchedulerSettings
+from bridge.db.engine import create_engine
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 from event_scheduler.evaluate import Evaluator
 from event_scheduler.metrics import SchedulerMetrics
 

@@ -20,9 +20,9 @@ import uuid
 from pathlib import Path
 
 from bench.common import machine, scratch_database, write_json
-from bridge import install
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
+from bridge.app import install
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 

@@ -46,11 +46,11 @@ import redis
 
 from bench import _paths_common as pc
 from bench.common import REDIS_URL, WORKER_QUEUE_INDEX, delete_namespace, scratch_database, write_json
-from bridge import install
+from bridge.app import install
 from bridge.bus import open_bus
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.settings import BusSettings, CaptureSettings, SchedulerSettings
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import BusSettings, CaptureSettings, SchedulerSettings
+from bridge.db.engine import create_engine
 from event_scheduler.leases import lease_snapshot
 
 CHAIN = 10

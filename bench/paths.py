@@ -9,7 +9,7 @@
 embedded runs.
 
 **Workload.** ``--instances`` workflow instances of ``--tasks`` tasks, shapes chain / fan-out / diamond in
-turn (``bridge.workload.make_shape``: about 20 % of the tasks also carry a due time 0.1-2 s after the
+turn (``bridge.reference.workload.make_shape``: about 20 % of the tasks also carry a due time 0.1-2 s after the
 instance arrives), arriving at ``--arrival-rate`` instances/s (``steady``, ``poisson`` or all at once,
 ``burst``), the same instances and arrival times (``--seed``) for every path. The bench process inserts
 them (instances and tasks of a 20 ms tick in one transaction; a task's ``updated_at``, its readiness
@@ -40,7 +40,7 @@ bench's own transactions, which they count); the same per idle second, over ``--
 path's processes running, nothing arriving and no worker started yet, before the workload; CPU
 seconds per process over the workload and over the idle window, peak RSS (``VmHWM``) per process, and
 the CPU of the path database's backends. ``pg_stat_statements`` is not loaded on this server. The
-invariants are checked afterwards with ``bridge.verify``: no task lost, none dispatched twice, none
+invariants are checked afterwards with ``bridge.reference.oracle``: no task lost, none dispatched twice, none
 early. With every figure: the load average and how much CPU other processes on the machine used.
 """
 
@@ -67,15 +67,16 @@ import sqlalchemy as sa
 
 from bench import _paths_common as pc
 from bench.common import REDIS_URL, delete_namespace, scratch_database, write_json
-from bridge import install
+from bridge.app import install
 from bridge.bus import open_bus
-from bridge.capture import remove_capture
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.settings import BusSettings, CaptureSettings
-from bridge.tasktable import reflect_tables
-from bridge.verify import as_utc, verify
-from bridge.workload import SHAPES, WorkflowSpec, make_shape
+from bridge.capture.triggers import remove_capture
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import BusSettings, CaptureSettings
+from bridge.db.clock import as_utc
+from bridge.db.engine import create_engine
+from bridge.reference.oracle import verify
+from bridge.reference.workload import SHAPES, WorkflowSpec, make_shape
+from bridge.tasktable.tables import reflect_tables
 from event_scheduler.leases import lease_snapshot
 
 TYPES = {"chain": "orders", "fanout": "reports", "diamond": "etl"}

@@ -6,7 +6,7 @@ Builds, with set-based SQL in a scratch database, ``--tasks`` tasks (chains of 1
 completed) of one workflow type that went ``polling`` → ``dual_write`` → ``selective`` over the
 window: in the first third the poller dispatched; in the second the poller dispatched and the event
 path recorded shadow decisions; in the last the event path dispatched (0.1% of them as fallback
-catches, a few planted early and duplicate dispatches). Then times :func:`bridge.report.build_report`
+catches, a few planted early and duplicate dispatches). Then times :func:`bridge.reconcile.report.build_report`
 (counts, percentiles, histograms, timeline, mismatches) over the whole window, as
 ``pollbridge reconcile --format json`` runs it, and checks the counts it found against what was
 planted. Target: 1,000,000 tasks in ≤ 10 s on the 2-core machine.
@@ -23,11 +23,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.common import machine, scratch_database, write_json
-from bridge import install
-from bridge.db import create_engine
-from bridge.report import build_report
-from bridge.settings import GateSettings, Settings
-from bridge.tasktable import reflect_tables
+from bridge.app import install
+from bridge.core.settings import GateSettings, Settings
+from bridge.db.engine import create_engine
+from bridge.reconcile.report import build_report
+from bridge.tasktable.tables import reflect_tables
 
 CHAIN = 10
 

@@ -28,12 +28,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.common import REDIS_URL, delete_namespace, latency_summary, machine, scratch_database, write_json
-from bridge import install
+from bridge.app import install
 from bridge.bus import open_bus
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.relay import Relay
-from bridge.settings import CaptureSettings, RelaySettings
+from bridge.capture.relay import Relay
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import CaptureSettings, RelaySettings
+from bridge.db.engine import create_engine
 
 
 def _seed(engine: sa.Engine, rows: int, instance_prefix: str) -> None:

@@ -40,11 +40,11 @@ from sqlalchemy.dialects import postgresql
 
 from bench import _paths_common as pc
 from bench.common import scratch_database, write_json
-from bridge import install
-from bridge.db import create_engine
-from bridge.routing import FixedRouter
-from bridge.settings import SchedulerSettings, Settings
-from bridge.tasktable import TaskTable, reflect_tables
+from bridge.app import install
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import SchedulerSettings, Settings
+from bridge.db.engine import create_engine
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.evaluate import Evaluator, Scope
 from event_scheduler.metrics import SchedulerMetrics
 from legacy_poller.poller import LegacyPoller

@@ -63,11 +63,11 @@ from bench.common import (
     scratch_database,
     write_json,
 )
-from bridge import install
+from bridge.app import install
 from bridge.bus import open_bus
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.settings import BusSettings, CaptureSettings
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import BusSettings, CaptureSettings
+from bridge.db.engine import create_engine
 from event_scheduler.leases import lease_snapshot
 
 COMPLETE_BATCH = """

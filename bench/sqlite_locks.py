@@ -6,7 +6,7 @@ demo workers take the database's one write lock, idle and while changes trickle 
 In a scratch SQLite file: the reference schema, a relay (default settings, embedded bus), an event
 scheduler (every type in ``cutover``) and a pool of 4 demo workers, all in this process. After two
 seconds of settling it counts ``BEGIN IMMEDIATE`` (every write transaction on SQLite begins with it, see
-``bridge.db``) for ``--seconds`` idle, then for
+``bridge.db.engine``) for ``--seconds`` idle, then for
 ``--seconds`` while the application inserts one task every ``--interval`` seconds (its own inserts are
 not counted; each is dispatched, run and completed, so the figure includes that work). Twice: with the
 relay, the scheduler's bus reads and the workers looking for work without the lock first (what they do),
@@ -27,16 +27,16 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from bench.common import machine, write_json
-from bridge import install
+from bridge.app import install
 from bridge.bus import open_bus
 from bridge.bus.embedded import EmbeddedBus
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.relay import Relay
-from bridge.routing import FixedRouter
-from bridge.settings import RelaySettings, SchedulerSettings, WorkerSettings
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.capture.relay import Relay
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import RelaySettings, SchedulerSettings, WorkerSettings
+from bridge.db.engine import create_engine
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.workers import WorkerPool
 

@@ -39,16 +39,16 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.db import autocommit, db_now
-from bridge.dispatch import ReadyTask, dispatch_many
-from bridge.driver import DriverStatement
-from bridge.events import new_trace_id
-from bridge.readiness import ready_predicate, ready_since
-from bridge.routing import EventRouter
-from bridge.schema import decisions, dispatch_log
-from bridge.settings import SchedulerSettings, TypeSettings
-from bridge.tasktable import TaskTable
-from bridge.verify import as_utc
+from bridge.core.events import new_trace_id
+from bridge.core.phases import EventRouter
+from bridge.core.settings import SchedulerSettings, TypeSettings
+from bridge.db.clock import as_utc
+from bridge.db.driver import DriverStatement
+from bridge.db.engine import autocommit, db_now
+from bridge.db.schema import decisions, dispatch_log
+from bridge.tasktable.dispatch import ReadyTask, dispatch_many
+from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class Evaluator:
             )
             .order_by(tt.col("id", inner))
         )
-        # Run hundreds of times a second: straight through the driver on PostgreSQL (see bridge.driver).
+        # Run hundreds of times a second: straight through the driver on PostgreSQL (see bridge.db.driver).
         self._query_run = DriverStatement(self._query, engine.dialect)
         all_src, any_type = tt.workflow_type_source(t)
         in_flight = sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src).where(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bridge.exceptions import PollbridgeError
+from bridge.core.errors import PollbridgeError
 
 
 class SignalError(PollbridgeError):

@@ -29,10 +29,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.bus.abc import EventBus
-from bridge.db import read_only
-from bridge.schema import scheduler_leases, scheduler_members
-from bridge.verify import as_utc
+from bridge.bus.base import EventBus
+from bridge.db.clock import as_utc
+from bridge.db.engine import read_only
+from bridge.db.schema import scheduler_leases, scheduler_members
 from event_scheduler.protocols import PartitionLeaseStore
 
 #: The settled round's one statement (PostgreSQL): heartbeat and renew, then the facts that decide

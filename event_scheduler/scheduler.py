@@ -37,14 +37,16 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.bus.abc import Delivery, EventBus, partition_for
-from bridge.db import db_now
-from bridge.events import TASK_STATUS_CHANGED, TIMER_EXPIRED, CloudEvent, new_event_id, new_trace_id
-from bridge.leadership import holder_name
-from bridge.readiness import ready_predicate
-from bridge.routing import EventRouter
-from bridge.settings import SchedulerSettings
-from bridge.tasktable import TaskTable
+from bridge.bus.base import Delivery, EventBus, partition_for
+from bridge.capture.leadership import holder_name
+from bridge.core.backoff import Backoff
+from bridge.core.errors import first_line
+from bridge.core.events import TASK_STATUS_CHANGED, TIMER_EXPIRED, CloudEvent, new_event_id, new_trace_id
+from bridge.core.phases import EventRouter
+from bridge.core.settings import SchedulerSettings
+from bridge.db.engine import db_now
+from bridge.tasktable.readiness import ready_predicate
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.evaluate import Evaluation, Evaluator, Scope, retry_timer, timeout_timer
 from event_scheduler.leases import lease_store
 from event_scheduler.metrics import SchedulerMetrics
@@ -322,7 +324,7 @@ class EventScheduler:
                 self._catch_up_thread.start()
 
     def _catch_up_worker(self) -> None:
-        backoff = 0.1
+        backoff = Backoff()
         while not self._stop.is_set():
             with self._catch_up_lock:
                 todo = self._catch_up_pending & self.leases.owned
@@ -332,14 +334,14 @@ class EventScheduler:
                     return
             try:
                 self.catch_up(todo, self._stop)
-                backoff = 0.1
+                backoff.reset()
             except Exception as exc:  # database outage: retried until done, never given up
+                pause = backoff.next()
                 log.warning("catch-up of partitions %s failed (%s: %s); retrying in %.1f s", sorted(todo),
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", backoff)
+                            type(exc).__name__, first_line(exc), pause)
                 with self._catch_up_lock:
                     self._catch_up_pending |= todo
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                self._stop.wait(pause)
 
     def request_catch_up(self) -> None:
         """Catch up every owned partition on the catch-up thread, e.g. when the event path became
@@ -415,7 +417,7 @@ class EventScheduler:
     def run(self, stop: threading.Event) -> None:
         self.timers.start()
         self._stop.clear()
-        backoff = 0.1
+        backoff = Backoff()
         next_lease = next_claim = next_lag = 0.0
         try:
             while not stop.is_set():
@@ -439,13 +441,13 @@ class EventScheduler:
                         stop.wait(min(1.0, self.settings.lease_ttl / 3))
                         continue
                     self.poll_once()
-                    backoff = 0.1
+                    backoff.reset()
                 except Exception as exc:  # database or bus outage: back off and retry
                     self._drop_connection()
+                    pause = backoff.next()
                     log.warning("scheduler cycle failed (%s: %s); retrying in %.1f s", type(exc).__name__,
-                                str(exc).splitlines()[0] if str(exc) else "", backoff)
-                    stop.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                                first_line(exc), pause)
+                    stop.wait(pause)
         finally:
             self._stop.set()
             thread = self._catch_up_thread

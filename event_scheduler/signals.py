@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import getpass
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bridge.db import db_now
-from bridge.schema import signals
-from bridge.tasktable import TaskTable
+from bridge.db.engine import db_now
+from bridge.db.schema import signals
+from bridge.tasktable.tables import TaskTable, parse_task_id
 from event_scheduler.exceptions import SignalError
 
 SignalKind = Literal["callback", "approval", "rejection"]
@@ -38,29 +37,6 @@ class SignalResult:
 def _task_id(tt: TaskTable, raw: str) -> Any:
     return parse_task_id(tt, raw, SignalError)
 
-
-def parse_task_id(tt: TaskTable, raw: str, error: type[Exception]) -> Any:
-    """``raw`` as a value of the task table's id column, or ``error`` with a clear message.
-
-    Integer ids must be plain ASCII digits within the column's range: ``int()`` would also take
-    ``" 10 "``, ``"1_0"`` or other scripts' digits, and an id past the range would reach the database
-    as an overflow."""
-    column_type = tt.col("id").type
-    try:
-        python_type = column_type.python_type
-    except NotImplementedError:
-        return raw
-    where = f"{tt.mapping.table}.{tt.mapping.columns.id}"
-    if python_type is int:
-        limit = 2**31 if type(column_type).__name__.upper() in ("INTEGER", "SMALLINTEGER") and \
-            tt.dialect_name == "postgresql" else 2**63
-        if not (isinstance(raw, str) and re.fullmatch(r"-?[0-9]{1,19}", raw)) or not -limit <= int(raw) < limit:
-            raise error(f"task id {raw!r} is not a valid integer id of {where}")
-        return int(raw)
-    try:
-        return python_type(raw)
-    except (TypeError, ValueError):
-        raise error(f"task id {raw!r} is not a valid {python_type.__name__} (the type of {where})") from None
 
 
 def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, payload: str | None = None,

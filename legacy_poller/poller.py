@@ -2,11 +2,11 @@
 
 The scan is one statement: the count of pending rows (what a poll examines, the figure that grows
 with the table) joined to at most ``batch_size`` ready tasks, so an empty poll still reports how
-much it looked at. Each ready task is then dispatched through :func:`bridge.dispatch.dispatch`,
+much it looked at. Each ready task is then dispatched through :func:`bridge.tasktable.dispatch.dispatch`,
 which re-checks readiness in its UPDATE, so the poller can run beside any other dispatcher; a
-scan's ready tasks are dispatched with one UPDATE and one INSERT (:func:`bridge.dispatch.dispatch_many`).
+scan's ready tasks are dispatched with one UPDATE and one INSERT (:func:`bridge.tasktable.dispatch.dispatch_many`).
 
-With a :class:`~bridge.flag_router.FlagRouter` the poller follows the phase of each workflow type
+With a :class:`~bridge.flags.router.FlagRouter` the poller follows the phase of each workflow type
 (:mod:`legacy_poller.routing`): it leaves ``cutover`` types out of its scan, holds back a ``selective``
 canary's tasks for the grace period and records those it still finds as path ``fallback`` (each an
 event-path miss, counted in ``pollbridge_fallback_misses_total``), and :meth:`LegacyPoller.sweep_once`
@@ -25,12 +25,12 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
-from bridge.db import db_now
-from bridge.dispatch import ReadyTask, dispatch_many
-from bridge.flag_router import FlagRouter
-from bridge.readiness import ready_predicate, ready_since
-from bridge.routing import Flag
-from bridge.tasktable import TaskTable
+from bridge.core.phases import Flag
+from bridge.db.engine import db_now
+from bridge.flags.router import FlagRouter
+from bridge.tasktable.dispatch import ReadyTask, dispatch_many
+from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable
 from legacy_poller.metrics import PollerMetrics
 from legacy_poller.routing import owned_by_events, scan_filter, sweep_filter
 

@@ -1,4 +1,4 @@
-"""The flags as SQL filters for the poller's scans (see the phase table in :mod:`bridge.routing`).
+"""The flags as SQL filters for the poller's scans (see the phase table in :mod:`bridge.core.phases`).
 
 * ``cutover`` types are left out of the regular scan (only the safety sweep looks at them);
 * in ``selective``, a task of a canary instance (inside the percentage) is held back until it has been
@@ -17,10 +17,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bridge.db import db_ago
-from bridge.readiness import ready_since
-from bridge.routing import Flag, percent_threshold
-from bridge.tasktable import TaskTable
+from bridge.core.phases import Flag, percent_threshold
+from bridge.db.engine import db_ago
+from bridge.tasktable.readiness import ready_since
+from bridge.tasktable.tables import TaskTable
 
 
 def type_of_row(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:

@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.engine import Engine
 
-from bridge.db import db_now, finds_a_row, read_only
-from bridge.settings import WorkerSettings
-from bridge.tasktable import TaskTable
+from bridge.core.settings import WorkerSettings
+from bridge.db.engine import db_now, finds_a_row, read_only
+from bridge.tasktable.tables import TaskTable
 
 log = logging.getLogger(__name__)
 

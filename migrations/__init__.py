@@ -1,1 +1,1 @@
-"""pollbridge's Alembic migrations (run through ``bridge.migrate``, not the alembic CLI)."""
+"""pollbridge's Alembic migrations (run through ``bridge.db.migrate``, not the alembic CLI)."""

@@ -1,10 +1,10 @@
-"""Alembic environment for pollbridge: online only, on the engine handed over by bridge.migrate."""
+"""Alembic environment for pollbridge: online only, on the engine handed over by bridge.db.migrate."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from bridge.schema import VERSION_TABLE, metadata
+from bridge.db.schema import VERSION_TABLE, metadata
 
 config = context.config
 engine = config.attributes["engine"]

@@ -34,7 +34,7 @@ is printed (the schedule of faults replays; the timing of the processes around t
 Every kind is injected at least once (a shuffled round of all of them first, then weighted draws).
 When the fault window ends every process is brought back, the remaining signals are sent and the
 workload must settle; then SQL over the task table, the dispatch log, the outbox and the audit trail,
-and :func:`bridge.verify.verify` independently, must show no lost trigger, no attempt dispatched twice,
+and :func:`bridge.reference.oracle.verify` independently, must show no lost trigger, no attempt dispatched twice,
 no dispatch before its readiness, every dispatch in the log, no outbox row unpublished, every dead
 letter with a reason and every malformed entry dead-lettered (unless Redis lost it afterwards).
 """
@@ -68,13 +68,13 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-from bridge.db import create_engine
-from bridge.flags import FlagStore
-from bridge.mapping import TaskTableMapping
-from bridge.schema import dispatch_log
-from bridge.tasktable import TaskTable, reflect_tables
-from bridge.verify import Verdict, percentile, verify
-from bridge.workload import SHAPES, WorkflowSpec, make_shape, seed
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.db.schema import dispatch_log
+from bridge.flags.store import FlagStore
+from bridge.reference.oracle import Verdict, percentile, verify
+from bridge.reference.workload import SHAPES, WorkflowSpec, make_shape, seed
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.exceptions import SignalError
 from event_scheduler.signals import record_signal
 
@@ -1084,7 +1084,7 @@ class Chaos:
             problems.append(f"{blank_audit} flag change(s) without an actor or a reason")
         # The independent check must agree with the SQL one.
         if (verdict.lost, verdict.double_dispatched, verdict.early) != (len(unsettled), len(double), len(early)):
-            problems.append(f"bridge.verify disagrees with the SQL checks: verify lost/double/early "
+            problems.append(f"bridge.reference.oracle disagrees with the SQL checks: verify lost/double/early "
                             f"{verdict.lost}/{verdict.double_dispatched}/{verdict.early}, SQL "
                             f"{len(unsettled)}/{len(double)}/{len(early)}")
         problems += [f"verify: {p}" for p in verdict.problems[:10]]

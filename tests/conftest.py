@@ -19,9 +19,9 @@ import pytest
 from psycopg import sql
 from support import clear_redis_namespace
 
-from bridge import install
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
+from bridge.app import install
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
 
 PG_ADMIN_URL = os.environ.get("POLLBRIDGE_TEST_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
 REQUIRE_SERVICES = os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1"

@@ -13,9 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from bridge.bus import open_bus
-from bridge.bus.abc import EventBus
-from bridge.tasktable import TaskTable
-from bridge.verify import Verdict, verify
+from bridge.bus.base import EventBus
+from bridge.reference.oracle import Verdict, verify
+from bridge.tasktable.tables import TaskTable
 from legacy_poller.poller import LegacyPoller
 
 
@@ -143,7 +143,7 @@ def age_scheduler_member(engine: Engine, bus: EventBus | None, holder: str | Non
     from datetime import UTC, datetime, timedelta
 
     from bridge.bus.redis_streams import RedisStreamsBus
-    from bridge.schema import scheduler_leases, scheduler_members
+    from bridge.db.schema import scheduler_leases, scheduler_members
 
     if isinstance(bus, RedisStreamsBus):
         client, keys = bus.client, bus.keys

@@ -23,11 +23,11 @@ Why it is built the way it is:
   an offset that already passed that id.
 * **Blocking read** re-checks with a cheap lock-free query (the offsets, then "is anything after
   them") every ``poll_interval`` while entries flow, less often the longer the bus has been idle
-  (:func:`bridge.idle.idle_poll`: a tenth of the idle time, at most 0.1 s), and a process-wide
+  (:func:`bridge.core.idle.idle_poll`: a tenth of the idle time, at most 0.1 s), and a process-wide
   condition per database, notified by ``publish``, wakes a same-process consumer at once. An idle
   consumer so costs about ten checks a second, and the first entry after a long idle spell reaches
   another process within 0.1 s.
-* **Time** is the database clock (:func:`bridge.db.db_now`) everywhere, so idle times and
+* **Time** is the database clock (:func:`bridge.db.engine.db_now`) everywhere, so idle times and
   retention do not depend on which host's clock a consumer has.
 * **epoch** is a constant: the embedded log is lost only with the database itself, and then the
   relay's stored epoch (in the same database) is lost with it, so there is nothing to detect.
@@ -47,11 +47,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
-from bridge.bus.abc import DeadLetter, Delivery, EventBus
-from bridge.db import db_now, read_only
-from bridge.events import CloudEvent, EventFormatError
-from bridge.idle import idle_poll
-from bridge.schema import bus_dead, bus_groups, bus_log, bus_pending
+from bridge.bus.base import DeadLetter, Delivery, EventBus
+from bridge.core.events import CloudEvent, EventFormatError
+from bridge.core.idle import idle_poll
+from bridge.db.engine import db_now, read_only
+from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
 #: First key of the PostgreSQL advisory locks that order publishes per partition (the second key
 #: is the partition). Derived from the table name so it will not collide with other users' locks.

@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlalchemy.engine import Engine
 
-from bridge.bus.abc import EventBus
-from bridge.exceptions import ConfigError
+from bridge.bus.base import EventBus
+from bridge.core.errors import ConfigError
+from bridge.core.urls import SUPPORTED_SCHEMES, bus_scheme, validate_bus_url
 
-SUPPORTED_SCHEMES = ("embedded", "redis", "rediss", "unix")
+__all__ = ["SUPPORTED_SCHEMES", "bus_scheme", "open_bus", "validate_bus_url"]
 
-
-def bus_scheme(url: str) -> str:
-    return "embedded" if url == "embedded" else urlsplit(url).scheme
-
-
-def validate_bus_url(url: str) -> None:
-    """Raise :class:`ConfigError` for a URL whose scheme no backend handles, listing the supported ones."""
-    scheme = bus_scheme(url)
-    if scheme not in SUPPORTED_SCHEMES:
-        from bridge.db import mask_url
-
-        raise ConfigError(
-            f"unsupported bus URL {mask_url(url)!r}: scheme {scheme or '(none)'!r}; supported: "
-            "'embedded', redis://host:6379/0, rediss://host:6380/0 (TLS), unix:///path/redis.sock"
-        )
 
 
 def open_bus(url: str, *, engine: Engine | None = None, partitions: int = 8, namespace: str = "pollbridge",

@@ -36,14 +36,9 @@ match the keys of namespace ``a:b``) are rejected.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from bridge.exceptions import ConfigError
-
-DEFAULT_NAMESPACE = "pollbridge"
-
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+from bridge.core.urls import DEFAULT_NAMESPACE, validate_namespace
 
 #: Field names of a partition-stream entry.
 FIELD_ID = "id"
@@ -60,10 +55,7 @@ class BusKeys:
     namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
-        if not _NAMESPACE_RE.fullmatch(self.namespace):
-            raise ConfigError(
-                f"invalid bus namespace {self.namespace!r}: use 1-100 letters, digits, '_', '-' or '.'"
-            )
+        validate_namespace(self.namespace)
 
     def stream(self, partition: int) -> str:
         """The stream of ``partition``, hash-tagged so each partition maps to its own cluster slot."""

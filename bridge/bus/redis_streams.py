@@ -1,7 +1,7 @@
 """The Redis Streams bus: one stream per partition, consumer groups, XAUTOCLAIM, MINID trimming.
 
 Key names come from :mod:`bridge.bus.keys` (the layout is documented there). How each part of the
-contract in :mod:`bridge.bus.abc` maps onto Redis, and why:
+contract in :mod:`bridge.bus.base` maps onto Redis, and why:
 
 * **publish** sends one pipeline (``transaction=False``: the partitions may live on different
   cluster slots, and a MULTI would buy nothing since publishing twice is allowed) of ``XADD``,
@@ -47,10 +47,10 @@ from typing import Any, cast
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from bridge.bus.abc import DeadLetter, Delivery, EventBus
+from bridge.bus.base import DeadLetter, Delivery, EventBus
 from bridge.bus.keys import FIELD_ID, FIELD_PAYLOAD, BusKeys
-from bridge.db import mask_url
-from bridge.events import CloudEvent, EventFormatError
+from bridge.core.events import CloudEvent, EventFormatError
+from bridge.core.urls import mask_url
 
 log = logging.getLogger(__name__)
 

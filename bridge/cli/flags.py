@@ -16,12 +16,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from bridge.db import check_connection, create_engine, read_only
-from bridge.exceptions import FlagError, GateRefused
-from bridge.flags import FlagChange, FlagStore, describe, validate_type_name
-from bridge.promotion import GateResult, default_actor, rollback, set_phase
-from bridge.routing import PHASES, Flag
-from bridge.tasktable import TaskTable, reflect_tables
+from bridge.core.errors import FlagError, GateRefused
+from bridge.core.phases import PHASES, Flag
+from bridge.db.engine import check_connection, create_engine, read_only
+from bridge.flags.store import FlagChange, FlagStore, describe, validate_type_name
+from bridge.reconcile.gate import GateResult
+from bridge.rollout.promotion import default_actor, rollback, set_phase
+from bridge.tasktable.tables import TaskTable, reflect_tables
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
                            help="Machine-readable output.")

@@ -1,4 +1,4 @@
-"""``pollbridge guardian run|check``: the guardian (see :mod:`bridge.guardian`) from the command line.
+"""``pollbridge guardian run|check``: the guardian (see :mod:`bridge.rollout.guardian`) from the command line.
 
 ``guardian run`` checks every ``--interval`` seconds until SIGTERM or Ctrl-C (exit 0); a failed check is
 logged and counted, never the end of the loop. ``guardian check`` runs one check, prints the measured
@@ -18,13 +18,14 @@ from typing import Any
 import click
 from sqlalchemy.engine import Engine
 
-from bridge.bus.abc import EventBus
-from bridge.db import check_connection, create_engine, mask_url
-from bridge.exceptions import ConfigError, FlagStoreUnavailable
-from bridge.flags import FlagStore
-from bridge.guardian import CheckReport, Guardian
-from bridge.runtime import settle_heap
-from bridge.settings import Settings
+from bridge.bus.base import EventBus
+from bridge.core.errors import ConfigError, FlagStoreUnavailable
+from bridge.core.runtime import settle_heap
+from bridge.core.settings import Settings
+from bridge.core.urls import mask_url
+from bridge.db.engine import check_connection, create_engine
+from bridge.flags.store import FlagStore
+from bridge.rollout.guardian import CheckReport, Guardian
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def _settings(ctx: click.Context) -> Settings:
 def _open_bus(settings: Settings, engine: Engine) -> tuple[EventBus | None, str]:
     """The bus and its label for logs; ``(None, why)`` when it cannot be opened (the lag is then unknown)."""
     from bridge.bus import open_bus
-    from bridge.bus.factory import bus_scheme
+    from bridge.core.urls import bus_scheme
 
     label = mask_url(settings.bus_url)
     options: dict[str, Any] = {} if bus_scheme(settings.bus_url) == "embedded" else {"socket_timeout": BUS_TIMEOUT}

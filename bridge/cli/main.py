@@ -20,11 +20,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from bridge import __version__, install
-from bridge.db import check_connection, create_engine, mask_url
-from bridge.exceptions import PollbridgeError
-from bridge.runtime import enable_stack_dumps, settle_heap
-from bridge.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL, Settings, load_settings
+from bridge import __version__
+from bridge.app import install
+from bridge.core.errors import PollbridgeError, first_line
+from bridge.core.runtime import enable_stack_dumps, settle_heap
+from bridge.core.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL, Settings, load_settings
+from bridge.core.urls import mask_url
+from bridge.db.engine import check_connection, create_engine
 
 F = TypeVar("F", bound=Callable[..., Any])
 err_console = Console(stderr=True)
@@ -51,8 +53,7 @@ class PollbridgeGroup(click.Group):
 
             if not isinstance(exc, OperationalError | redis.RedisError):
                 raise
-            orig = getattr(exc, "orig", None) or exc
-            reason = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+            reason = first_line(exc)
             fail(f"{'database' if isinstance(exc, OperationalError) else 'bus'} error: {_mask_urls(reason)}", 1)
 
 
@@ -136,7 +137,7 @@ def uninstall(ctx: click.Context, yes: bool) -> None:
 @click.pass_context
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check connectivity, the mapping against the real tables, migrations and DAGs. Exit 1 on a failure."""
-    from bridge.doctor import run_checks
+    from bridge.rollout.doctor import run_checks
 
     settings = settings_of(ctx)
     engine = create_engine(settings.database_url)
@@ -175,7 +176,7 @@ def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_inter
     the invariants (exit 1 if any task was lost, dispatched twice or early)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from bridge.demo import DemoOptions, passed, run_demo
+    from bridge.app.demo import DemoOptions, passed, run_demo
 
     settings = settings_of(ctx)
     options = DemoOptions(instances=instances, tasks_per_instance=tasks_per_instance,
@@ -289,9 +290,9 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
     SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.flag_router import FlagRouter
-    from bridge.flags import FlagStore
-    from bridge.tasktable import reflect_tables
+    from bridge.flags.router import FlagRouter
+    from bridge.flags.store import FlagStore
+    from bridge.tasktable.tables import reflect_tables
     from legacy_poller.poller import LegacyPoller
     from legacy_poller.runner import PollerRunner
 
@@ -342,7 +343,7 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
     from prometheus_client import CollectorRegistry, start_http_server
 
     from bridge.bus import open_bus
-    from bridge.relay import Relay
+    from bridge.capture.relay import Relay
 
     settings = settings_of(ctx)
     stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
@@ -387,10 +388,10 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
     from prometheus_client import CollectorRegistry, start_http_server
 
     from bridge.bus import open_bus
-    from bridge.flag_router import FlagRouter
-    from bridge.flags import FlagStore
-    from bridge.routing import EventRouter, FixedRouter
-    from bridge.tasktable import reflect_tables
+    from bridge.core.phases import EventRouter, FixedRouter
+    from bridge.flags.router import FlagRouter
+    from bridge.flags.store import FlagStore
+    from bridge.tasktable.tables import reflect_tables
     from event_scheduler.scheduler import EventScheduler
 
     settings = settings_of(ctx)
@@ -450,7 +451,7 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
 @click.pass_context
 def signal_(ctx: click.Context, task_id: str, kind: str, payload: str | None, actor: str | None) -> None:
     """Record an external callback, approval or rejection for TASK_ID."""
-    from bridge.tasktable import reflect_tables
+    from bridge.tasktable.tables import reflect_tables
     from event_scheduler.signals import record_signal
 
     settings = settings_of(ctx)
@@ -486,7 +487,7 @@ def _bus_error(ctx: click.Context, exc: BaseException) -> None:
 
     if isinstance(exc, redis.RedisError | OSError):
         url = mask_url(settings_of(ctx).bus_url)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         fail(f"cannot reach the bus {url}: {reason}", 1)
 
 
@@ -526,7 +527,7 @@ def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
 @click.pass_context
 def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> None:
     """Publish dead letters to the bus again (after the cause was fixed) and remove them from the store."""
-    from bridge.events import CloudEvent, EventFormatError
+    from bridge.core.events import CloudEvent, EventFormatError
 
     if not ids and not replay_all:
         raise click.UsageError("name the dead letters to replay (ids from `pollbridge dlq list`) or use --all")
@@ -598,7 +599,7 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
     """Execute dispatched tasks and write results back, until SIGTERM or Ctrl-C."""
     from dataclasses import replace
 
-    from bridge.tasktable import reflect_tables
+    from bridge.tasktable.tables import reflect_tables
     from legacy_poller.workers import WorkerPool
 
     settings = settings_of(ctx)

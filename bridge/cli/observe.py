@@ -1,8 +1,8 @@
 """``pollbridge explain``, ``pollbridge status`` and ``pollbridge metrics serve``: seeing what both paths do.
 
 * ``explain TASK_ID [--json]``: one task's story and the answer to "why was it (not yet) triggered?"
-  (:mod:`bridge.explain`). Exit 0; 2 for an unknown task id; 1 when the database cannot be read.
-* ``status [--window S] [--json]``: the migration on one screen (:mod:`bridge.status`). Exit 0 whatever it
+  (:mod:`bridge.reconcile.explain`). Exit 0; 2 for an unknown task id; 1 when the database cannot be read.
+* ``status [--window S] [--json]``: the migration on one screen (:mod:`bridge.reconcile.status`). Exit 0 whatever it
   shows (an unreachable bus is reported as unknown, not a failure); 1 when the database cannot be read.
 * ``metrics serve [--host H] [--port P] [--window S]``: the same figures as a Prometheus endpoint,
   gathered on each scrape, on 127.0.0.1 unless ``--host`` says otherwise, until SIGTERM or Ctrl-C (exit 0).
@@ -22,11 +22,12 @@ from rich.table import Table
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from bridge.bus.abc import EventBus
-from bridge.db import check_connection, create_engine, mask_url
-from bridge.exceptions import ConfigError, PollbridgeError
-from bridge.settings import Settings
-from bridge.status import DEFAULT_WINDOW
+from bridge.bus.base import EventBus
+from bridge.core.errors import ConfigError, PollbridgeError, first_line
+from bridge.core.settings import Settings
+from bridge.core.urls import mask_url
+from bridge.db.engine import check_connection, create_engine
+from bridge.reconcile.status import DEFAULT_WINDOW
 
 #: Seconds a Redis call may take here: a hung bus must not hang a status, an explain or a scrape.
 BUS_TIMEOUT = 3.0
@@ -51,7 +52,7 @@ def _settings(ctx: click.Context) -> Settings:
 def open_bus_quietly(settings: Settings, engine: Engine) -> tuple[EventBus | None, str, str | None]:
     """``(bus, masked label, why there is none)``: a bus that cannot be opened is not an error here."""
     from bridge.bus import open_bus
-    from bridge.bus.factory import bus_scheme
+    from bridge.core.urls import bus_scheme
 
     label = mask_url(settings.bus_url)
     options: dict[str, Any] = {} if bus_scheme(settings.bus_url) == "embedded" else {"socket_timeout": BUS_TIMEOUT}
@@ -61,13 +62,13 @@ def open_bus_quietly(settings: Settings, engine: Engine) -> tuple[EventBus | Non
     except ConfigError:
         raise  # bad input is a usage error, not an outage
     except Exception as exc:
-        return None, label, f"bus {label} could not be opened: {_first_line(exc)}"
+        return None, label, f"bus {label} could not be opened: {first_line(exc)}"
     return bus, label, None
 
 
 def _not_readable(exc: SQLAlchemyError, engine: Engine) -> ObserveError:
     return ObserveError(f"cannot read pollbridge's tables in {mask_url(engine.url)} (is pollbridge installed? "
-                        f"`pollbridge init`): {_first_line(exc)}")
+                        f"`pollbridge init`): {first_line(exc)}")
 
 
 # --- explain -----------------------------------------------------------------------------------------------
@@ -79,9 +80,9 @@ def _not_readable(exc: SQLAlchemyError, engine: Engine) -> ObserveError:
 def explain(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why TASK_ID was (or was not yet) triggered: its readiness facts, events, deliveries, decisions and
     dispatches across both paths, and the phase of its type at each moment."""
-    from bridge.explain import explain_task
-    from bridge.flags import FlagStore
-    from bridge.tasktable import reflect_tables
+    from bridge.flags.store import FlagStore
+    from bridge.reconcile.explain import explain_task
+    from bridge.tasktable.tables import reflect_tables
 
     settings = _settings(ctx)
     engine = create_engine(settings.database_url)
@@ -188,8 +189,8 @@ def status(ctx: click.Context, window: float, as_json: bool) -> None:
 
 def _gather(settings: Settings, engine: Engine, bus: EventBus | None, label: str, bus_error: str | None,
             window: float) -> Any:
-    from bridge.flags import FlagStore
-    from bridge.status import gather_status
+    from bridge.flags.store import FlagStore
+    from bridge.reconcile.status import gather_status
 
     try:
         return gather_status(engine, bus=bus, bus_label=label, bus_error=bus_error, group=settings.scheduler.group,
@@ -251,7 +252,7 @@ def metrics_serve(ctx: click.Context, host: str, port: int, window: float) -> No
     from prometheus_client import CollectorRegistry, start_http_server
 
     from bridge.cli.main import _stop_on_signals
-    from bridge.status import StatusCollector
+    from bridge.reconcile.status import StatusCollector
 
     settings = _settings(ctx)
     stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
@@ -309,8 +310,3 @@ def _traced(event: Any) -> str:
 
 def _ms(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -2,7 +2,7 @@
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad input (unknown phase, bad type name or
 percentage, a type with no flag and no task). The checks and which phases they gate are the registry in
-:mod:`bridge.preflight`; the help text below is built from it.
+:mod:`bridge.rollout.preflight`; the help text below is built from it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 
 import click
 
-from bridge.db import create_engine
-from bridge.flags import describe
-from bridge.preflight import CHECKS, PreflightReport, run_preflight, validate_request
-from bridge.routing import PHASES, Flag
-from bridge.settings import Settings
+from bridge.core.phases import PHASES, Flag
+from bridge.core.settings import Settings
+from bridge.db.engine import create_engine
+from bridge.flags.store import describe
+from bridge.rollout.preflight import CHECKS, PreflightReport, run_preflight, validate_request
 
 
 def _matrix_help() -> str:

@@ -14,13 +14,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bridge.db import check_connection, create_engine
-from bridge.exceptions import ConfigError
-from bridge.flags import validate_type_name
-from bridge.promotion import db_clock
-from bridge.report import Report, build_report, parse_when
-from bridge.report_html import render_html
-from bridge.tasktable import reflect_tables
+from bridge.core.errors import ConfigError
+from bridge.db.clock import db_clock
+from bridge.db.engine import check_connection, create_engine
+from bridge.flags.store import validate_type_name
+from bridge.reconcile.html import render_html
+from bridge.reconcile.report import Report, build_report, parse_when
+from bridge.tasktable.tables import reflect_tables
 
 STAGES = 4  # classifying, latency percentiles, histograms, mismatches
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from bridge.db import mask_url
-from bridge.runtime import settle_heap
+from bridge.core.runtime import settle_heap
+from bridge.core.urls import mask_url
 
 
 @click.command("run-all")
@@ -23,8 +23,8 @@ def run_all(ctx: click.Context, demo_workers: bool, poll_interval: float | None,
     default and small deployments; in production run each component as its own command."""
     from prometheus_client import start_http_server
 
+    from bridge.app.runall import Stack, StackOptions
     from bridge.cli.main import _stop_on_signals, settings_of
-    from bridge.runall import Stack, StackOptions
 
     settings = settings_of(ctx)
     stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too

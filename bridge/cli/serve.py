@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from bridge.db import check_connection, create_engine, mask_url
+from bridge.core.urls import mask_url
+from bridge.db.engine import check_connection, create_engine
 
 
 @click.command("serve", epilog="The webhook's shared secret comes from the environment variable "
@@ -25,7 +26,7 @@ def serve(ctx: click.Context, host: str | None, port: int | None) -> None:
     from bridge.cli.main import _stop_on_signals, settings_of
     from bridge.cli.observe import open_bus_quietly
     from bridge.serve.app import BackgroundServer, ServeApp, ServeContext, ServeError, resolve_secret
-    from bridge.tasktable import reflect_tables
+    from bridge.tasktable.tables import reflect_tables
 
     settings = settings_of(ctx)
     secret = resolve_secret(settings)

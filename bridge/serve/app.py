@@ -35,16 +35,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from bridge.bus.abc import EventBus
-from bridge.db import check_connection, mask_url
-from bridge.exceptions import ConfigError, PollbridgeError
+from bridge.bus.base import EventBus
+from bridge.core.errors import ConfigError, PollbridgeError, first_line
+from bridge.core.settings import Settings
+from bridge.core.urls import mask_url
+from bridge.db.engine import check_connection
+from bridge.reconcile.status import DEFAULT_WINDOW, StatusCollector, gather_status
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureVerifier, TooManyRequests, Unauthorized
 from bridge.serve.metrics import HubCollector, LatencyCollector, ServeMetrics
 from bridge.serve.sse import CursorError, Filter, Hub, event_stream, parse_cursor, stream_headers
 from bridge.serve.tasks import MAX_BODY, RequestError, accept_signal, parse_signal_body, task_status
-from bridge.settings import Settings
-from bridge.status import DEFAULT_WINDOW, StatusCollector, gather_status
-from bridge.tasktable import TaskTable
+from bridge.tasktable.tables import TaskTable
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class ServeApp:
             return _error(exc.status, exc.code, str(exc))
         except Exception as exc:
             log.warning("GET /tasks failed: %s", exc)
-            return _error(503, "database", f"the task table cannot be read: {_first_line(exc)}")
+            return _error(503, "database", f"the task table cannot be read: {first_line(exc)}")
         return JSONResponse(doc)
 
     # --- GET /healthz -------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class ServeApp:
         try:
             await asyncio.to_thread(check_connection, self.context.engine)
         except Exception as exc:
-            database = {"up": False, "detail": _first_line(exc)}
+            database = {"up": False, "detail": first_line(exc)}
         hub = self.hub
         if hub is None:
             reader: dict[str, Any] = {"up": False, "detail": self.context.bus_error or "no bus configured"}
@@ -229,7 +230,7 @@ class ServeApp:
             return generate_latest(self.registry)
 
     def _gather(self) -> Any:
-        from bridge.flags import FlagStore
+        from bridge.flags.store import FlagStore
 
         c = self.context
         return gather_status(c.engine, bus=c.bus, bus_label=c.bus_label, bus_error=c.bus_error,
@@ -252,10 +253,6 @@ async def _read_body(request: Request) -> bytes | None:
         chunks.append(chunk)
     return b"".join(chunks)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # --- running it -------------------------------------------------------------------------------------------

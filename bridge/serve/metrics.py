@@ -1,4 +1,6 @@
-"""``pollbridge serve``'s own Prometheus metrics, beside the status gauges of :class:`bridge.status.StatusCollector`."""
+"""``pollbridge serve``'s own Prometheus metrics, beside the status gauges of
+:class:`bridge.reconcile.status.StatusCollector`.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
-from bridge.db import db_ago, millis_between, read_only
-from bridge.schema import dispatch_log
+from bridge.db.engine import db_ago, millis_between, read_only
+from bridge.db.schema import dispatch_log
 from bridge.serve.sse import Hub
 
 log = logging.getLogger(__name__)

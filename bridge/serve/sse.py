@@ -42,8 +42,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.bus.abc import Delivery, EventBus, entry_order, partition_for
-from bridge.events import TASK_STATUS_CHANGED
+from bridge.bus.base import Delivery, EventBus, entry_order, partition_for
+from bridge.core.backoff import Backoff
+from bridge.core.errors import first_line
+from bridge.core.events import TASK_STATUS_CHANGED
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +290,7 @@ class Hub:
 
     # --- the reader thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        backoff = RETRY_MIN
+        backoff = Backoff(RETRY_MIN, RETRY_MAX)
         while not self._stop.is_set():
             try:
                 if not self.ready:
@@ -306,16 +308,15 @@ class Hub:
                 self.stats.reads += 1
                 self.stats.last_read_at = time.time()
                 self.stats.last_error = None
-                backoff = RETRY_MIN
+                backoff.reset()
             except Exception as exc:  # the bus is down or timing out: report, back off, try again
-                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                text = first_line(exc)
                 if text != self.stats.last_error:
                     log.warning("SSE bus reader: %s (retrying)", text)
                 self.healthy = False
                 self.stats.failures += 1
                 self.stats.last_error = text
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, RETRY_MAX)
+                self._stop.wait(backoff.next())
 
     def _route(self, deliveries: list[Delivery]) -> None:
         if not deliveries:

@@ -19,9 +19,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bridge.db import read_only
-from bridge.schema import outbox
-from bridge.tasktable import TaskTable
+from bridge.db.engine import read_only
+from bridge.db.schema import outbox
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.exceptions import SignalError
 from event_scheduler.signals import KINDS, record_signal
 

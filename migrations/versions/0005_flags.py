@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from bridge.sqlblocks import load_blocks, render
+from bridge.db.sqlblocks import load_blocks, render
 
 revision = "0005"
 down_revision = "0004"

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from support import Run
 
-from bridge.db import create_engine
+from bridge.db.engine import create_engine
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:
@@ -120,10 +120,10 @@ def test_uninstall_keeps_the_scheduler_tables(pollbridge: Run, empty_db_url: str
 
 def test_poller_and_workers_processes_finish_a_workload_and_stop_on_sigterm(
         pollbridge: Run, db_url: str, tmp_path: Path) -> None:
-    from bridge.mapping import TaskTableMapping
-    from bridge.tasktable import reflect_tables
-    from bridge.verify import verify
-    from bridge.workload import demo_workload, seed
+    from bridge.core.mapping import TaskTableMapping
+    from bridge.reference.oracle import verify
+    from bridge.reference.workload import demo_workload, seed
+    from bridge.tasktable.tables import reflect_tables
 
     engine = create_engine(db_url)
     try:

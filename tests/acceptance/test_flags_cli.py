@@ -18,12 +18,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from support import Run
 
-from bridge.db import create_engine
-from bridge.flags import FlagStore
-from bridge.mapping import TaskTableMapping
-from bridge.schema import flag_audit, flags
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.db.schema import flag_audit, flags
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 
 
 @pytest.fixture

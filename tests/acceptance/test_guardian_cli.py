@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from support import Run, wait_for
 
-from bridge.db import create_engine
-from bridge.flags import FlagStore
-from bridge.guardian import Guardian
-from bridge.mapping import TaskTableMapping
-from bridge.settings import GuardianSettings
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import GuardianSettings
+from bridge.db.engine import create_engine
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.rollout.guardian import Guardian
+from bridge.tasktable.tables import reflect_tables
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:

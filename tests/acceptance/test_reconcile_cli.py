@@ -11,14 +11,14 @@ from prometheus_client import CollectorRegistry
 from support import Run
 
 from bridge.bus import open_bus
-from bridge.db import create_engine
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.mapping import TaskTableMapping
-from bridge.relay import Relay
-from bridge.settings import RelaySettings, SchedulerSettings, WorkerSettings
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.capture.relay import Relay
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import RelaySettings, SchedulerSettings, WorkerSettings
+from bridge.db.engine import create_engine
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool

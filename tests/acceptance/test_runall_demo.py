@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 from support import Run, wait_for
 
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 
 PHASES = ["polling", "dual_write", "selective", "cutover", "rollback"]
 

@@ -25,7 +25,7 @@ PostgreSQL connections terminated, malformed entries on the bus, the scheduler p
 caught its tasks, the flag table made unreadable, the scheduler killed over and over). A fault the
 operator cannot remove with a pollbridge command (the flag table) is removed just before the
 incident's ``Fix`` step. After each runbook and each incident every instance seeded so far must settle
-with nothing lost, dispatched twice or early (:func:`bridge.verify.verify`).
+with nothing lost, dispatched twice or early (:func:`bridge.reference.oracle.verify`).
 
 Thresholds are small (``pollbridge.toml`` below) so the gates pass on real evidence within seconds. The demo
 workers stand for the platform's: one whose connection is terminated while it reports a result leaves its task
@@ -59,13 +59,13 @@ from click.testing import CliRunner
 from sqlalchemy.engine import Engine
 from support import wait_for
 
-from bridge.db import create_engine
-from bridge.demo_schema import create_demo_schema
-from bridge.mapping import TaskTableMapping
-from bridge.schema import dispatch_log, outbox
-from bridge.tasktable import TaskTable, reflect_tables
-from bridge.verify import verify
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.db.schema import dispatch_log, outbox
+from bridge.reference.oracle import verify
+from bridge.reference.schema import create_demo_schema
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import TaskTable, reflect_tables
 
 TYPE = "payments"          # the type the walk migrates (the runbooks' examples say orders)
 OTHER = "reports"          # a type that stays in polling the whole time

@@ -20,13 +20,13 @@ from sqlalchemy.engine import Engine
 from support import Run, wait_for
 
 from bridge.bus import EventBus, open_bus
-from bridge.db import create_engine, db_now
-from bridge.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
-from bridge.mapping import TaskTableMapping
-from bridge.schema import bus_log, dispatch_log, outbox, scheduler_leases, scheduler_members, signals
-from bridge.settings import SchedulerSettings
-from bridge.tasktable import TaskTable, reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import SchedulerSettings
+from bridge.db.engine import create_engine, db_now
+from bridge.db.schema import bus_log, dispatch_log, outbox, scheduler_leases, scheduler_members, signals
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.leases import lease_snapshot
 
 GROUP = SchedulerSettings().group

@@ -29,10 +29,10 @@ from urllib.parse import quote
 
 import pytest
 
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 

@@ -18,12 +18,12 @@ import httpx
 import sqlalchemy as sa
 from support import Run
 
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.schema import signals
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.db.schema import signals
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 
 SECRET = "acceptance-secret-0123456789"
 

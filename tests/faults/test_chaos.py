@@ -59,11 +59,11 @@ def test_a_bus_loss_replay_is_not_a_stuck_relay_for_the_guardian(sqlite_url: str
     import sqlalchemy as sa
 
     from bridge.bus.embedded import EmbeddedBus
-    from bridge.db import create_engine
-    from bridge.flags import FlagStore
-    from bridge.guardian import Guardian
-    from bridge.relay import Relay
-    from bridge.settings import GuardianSettings, RelaySettings
+    from bridge.capture.relay import Relay
+    from bridge.core.settings import GuardianSettings, RelaySettings
+    from bridge.db.engine import create_engine
+    from bridge.flags.store import FlagStore
+    from bridge.rollout.guardian import Guardian
 
     class LosingBus(EmbeddedBus):
         token = "epoch-1"

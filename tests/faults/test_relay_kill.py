@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from support import wait_for
 
 from bridge.bus import open_bus
-from bridge.db import create_engine, read_only
-from bridge.schema import outbox
+from bridge.db.engine import create_engine, read_only
+from bridge.db.schema import outbox
 
 
 def _relay(cwd: Path, db_url: str, bus_url: str) -> subprocess.Popen[bytes]:

@@ -6,7 +6,7 @@ them and a ``pollbridge workers run`` executes what they dispatch. A workload of
 scheduler holding partitions is SIGKILLed mid-run. The survivor takes its partitions over when the
 leases expire (claiming the entries the dead one had read and not acknowledged, and catching up from
 the database), the killed one is restarted and gets its share back. At the end every task is
-completed, nothing was dispatched twice or early (:func:`bridge.verify.verify`), and only the event
+completed, nothing was dispatched twice or early (:func:`bridge.reference.oracle.verify`), and only the event
 path dispatched.
 """
 
@@ -26,14 +26,14 @@ from sqlalchemy.engine import Engine
 from support import wait_for
 
 from bridge.bus import EventBus, open_bus
-from bridge.bus.abc import partition_for
-from bridge.db import create_engine, db_now, read_only
-from bridge.mapping import TaskTableMapping
-from bridge.schema import dispatch_log, outbox
-from bridge.settings import SchedulerSettings
-from bridge.tasktable import TaskTable, reflect_tables
-from bridge.verify import load_tasks, verify
-from bridge.workload import SHAPES, WorkflowSpec, make_shape, seed
+from bridge.bus.base import partition_for
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import SchedulerSettings
+from bridge.db.engine import create_engine, db_now, read_only
+from bridge.db.schema import dispatch_log, outbox
+from bridge.reference.oracle import load_tasks, verify
+from bridge.reference.workload import SHAPES, WorkflowSpec, make_shape, seed
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.leases import lease_snapshot
 
 PARTITIONS = 4
@@ -76,7 +76,7 @@ class Processes:
                          for p in sorted(self.cwd.glob("*.log")))
 
     def dump_stacks(self) -> None:
-        """Ask every live process for its threads' stacks (SIGUSR1, see bridge.runtime) and wait for them."""
+        """Ask every live process for its threads' stacks (SIGUSR1, see bridge.core.runtime) and wait for them."""
         logs = sorted(self.cwd.glob("*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
         live = [log for proc, log in zip(self.procs, logs, strict=False) if proc.poll() is None]
         for proc in self.procs:

@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy.engine import Engine
 from support import Env
 
-from bridge import install
+from bridge.app import install
 from bridge.bus import EventBus, open_bus
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.tasktable import TaskTable, reflect_tables
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import create_engine
+from bridge.tasktable.tables import TaskTable, reflect_tables
 
 
 @pytest.fixture

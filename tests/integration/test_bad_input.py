@@ -31,15 +31,15 @@ from sqlalchemy.engine import Engine
 
 from bridge.bus.embedded import EmbeddedBus
 from bridge.cli.main import cli
-from bridge.db import create_engine
-from bridge.demo_schema import create_demo_schema
-from bridge.events import CloudEvent, EventFormatError
-from bridge.exceptions import PollbridgeError
-from bridge.mapping import TaskTableMapping
-from bridge.routing import FixedRouter
-from bridge.settings import SchedulerSettings, load_settings
-from bridge.tasktable import reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.errors import PollbridgeError
+from bridge.core.events import CloudEvent, EventFormatError
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import SchedulerSettings, load_settings
+from bridge.db.engine import create_engine
+from bridge.reference.schema import create_demo_schema
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 from event_scheduler.exceptions import SignalError
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import MAX_PAYLOAD, record_signal
@@ -682,7 +682,7 @@ def test_a_task_id_is_taken_only_in_its_canonical_spelling(spelling: str, instal
 def test_a_connection_lost_while_reading_the_mapping_is_not_a_missing_table(pg_url: str) -> None:
     import psycopg
 
-    from bridge.exceptions import MappingMismatch
+    from bridge.core.errors import MappingMismatch
 
     engine = create_engine(pg_url)
     statements = {"n": 0}

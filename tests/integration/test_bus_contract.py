@@ -1,4 +1,4 @@
-"""The one event-bus contract suite (see bridge/bus/abc.py), run against every backend.
+"""The one event-bus contract suite (see bridge/bus/base.py), run against every backend.
 
 The ``bus`` fixture is parametrized over the embedded bus on SQLite and on PostgreSQL and the
 Redis Streams bus; every test in the first part runs on all three, so "same semantics" is a
@@ -22,14 +22,14 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.bus.abc import Delivery, EventBus, entry_order, partition_for
+from bridge.bus.base import Delivery, EventBus, entry_order, partition_for
 from bridge.bus.embedded import EmbeddedBus
 from bridge.bus.keys import BusKeys
 from bridge.bus.redis_streams import RedisStreamsBus
-from bridge.db import create_engine, db_now
-from bridge.events import TASK_STATUS_CHANGED, CloudEvent
-from bridge.exceptions import ConfigError
-from bridge.schema import bus_log
+from bridge.core.errors import ConfigError
+from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent
+from bridge.db.engine import create_engine, db_now
+from bridge.db.schema import bus_log
 
 P = 4
 ALL = list(range(P))

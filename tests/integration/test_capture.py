@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-from bridge import install
-from bridge.capture import capture_status, installed_triggers
-from bridge.schema import outbox
-from bridge.tasktable import TaskTable
+from bridge.app import install
+from bridge.capture.triggers import capture_status, installed_triggers
+from bridge.db.schema import outbox
+from bridge.tasktable.tables import TaskTable
 
 
 def _outbox(engine: Engine, instance_id: str) -> list[Any]:

@@ -8,9 +8,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bridge.dispatch import ReadyTask, dispatch
-from bridge.schema import dispatch_log
-from bridge.tasktable import TaskTable
+from bridge.db.schema import dispatch_log
+from bridge.tasktable.dispatch import ReadyTask, dispatch
+from bridge.tasktable.tables import TaskTable
 
 
 def _add(engine: Engine, tables: TaskTable, instance: str, tasks: list[dict[str, object]]) -> dict[str, int]:

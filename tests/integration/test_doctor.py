@@ -5,11 +5,11 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from bridge import migrate
-from bridge.db import create_engine
-from bridge.doctor import run_checks
-from bridge.mapping import TaskColumns, TaskTableMapping
-from bridge.settings import Settings
+from bridge.core.mapping import TaskColumns, TaskTableMapping
+from bridge.core.settings import Settings
+from bridge.db import migrate
+from bridge.db.engine import create_engine
+from bridge.rollout.doctor import run_checks
 
 
 def _by_name(engine: Engine, settings: Settings) -> dict[str, tuple[bool, str]]:
@@ -72,7 +72,7 @@ def test_head_revision_matches_installed(engine: Engine) -> None:
 
 
 def test_capture_missing_and_bus_unreachable_are_reported(engine: Engine) -> None:
-    from bridge import capture
+    from bridge.capture import triggers as capture
 
     with engine.begin() as conn:
         capture.remove_capture(conn)

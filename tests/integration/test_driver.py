@@ -1,4 +1,4 @@
-"""Hot statements straight through the driver (bridge.driver): the same rows, errors and events as SQLAlchemy."""
+"""Hot statements straight through the driver (bridge.db.driver): the same rows, errors and events as SQLAlchemy."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
-from bridge.db import StatementCounter
-from bridge.dispatch import ReadyTask, _pg_dispatch_statement, dispatch_many
-from bridge.driver import DriverStatement
-from bridge.routing import FixedRouter
-from bridge.schema import dispatch_log
-from bridge.settings import SchedulerSettings, TypeSettings
-from bridge.tasktable import TaskTable
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import SchedulerSettings, TypeSettings
+from bridge.db.driver import DriverStatement
+from bridge.db.engine import StatementCounter
+from bridge.db.schema import dispatch_log
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.dispatch import ReadyTask, _pg_dispatch_statement, dispatch_many
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.evaluate import Evaluator
 from event_scheduler.metrics import SchedulerMetrics
 
@@ -143,7 +143,7 @@ def test_bind_and_result_processors_are_applied_as_sqlalchemy_would(engine: Engi
 
 @pytest.mark.postgres
 def test_what_the_direct_path_cannot_prove_equal_goes_through_sqlalchemy(pg_url: str) -> None:
-    from bridge.db import create_engine
+    from bridge.db.engine import create_engine
 
     engine = create_engine(pg_url)
     try:
@@ -162,7 +162,7 @@ def test_what_the_direct_path_cannot_prove_equal_goes_through_sqlalchemy(pg_url:
 
 @pytest.mark.postgres
 def test_a_cut_connection_is_a_wrapped_error_and_never_reused(pg_url: str) -> None:
-    from bridge.db import create_engine
+    from bridge.db.engine import create_engine
 
     engine = create_engine(pg_url)
     try:
@@ -215,7 +215,7 @@ def test_a_statement_outside_a_transaction_begins_one_as_sqlalchemy_would(engine
 
 @pytest.mark.postgres
 def test_a_bind_computed_per_execution_goes_through_sqlalchemy(pg_url: str) -> None:
-    from bridge.db import create_engine
+    from bridge.db.engine import create_engine
 
     engine = create_engine(pg_url)
     try:

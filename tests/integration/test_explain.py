@@ -23,16 +23,16 @@ from sqlalchemy.engine import Engine
 from support import Env
 
 from bridge.bus import open_bus
-from bridge.bus.abc import EventBus, partition_for
-from bridge.explain import ANSWER_CODES, DELIVERY_STATES, Explanation, UnknownTask, explain_task, phase_at
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.reconcile import PhaseSpan
-from bridge.relay import Relay
-from bridge.schema import dispatch_log
-from bridge.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
-from bridge.tasktable import TaskTable
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.bus.base import EventBus, partition_for
+from bridge.capture.relay import Relay
+from bridge.core.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
+from bridge.db.schema import dispatch_log
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reconcile.classify import PhaseSpan
+from bridge.reconcile.explain import ANSWER_CODES, DELIVERY_STATES, Explanation, UnknownTask, explain_task, phase_at
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
 from legacy_poller.poller import LegacyPoller

@@ -1,7 +1,7 @@
 """Phases flipped at random while a workload runs: every task done, none twice, none early.
 
 A Hypothesis state machine runs the relay, the event scheduler and the legacy poller synchronously,
-each following the flags through its own :class:`~bridge.flag_router.FlagRouter` (so processes see a
+each following the flags through its own :class:`~bridge.flags.router.FlagRouter` (so processes see a
 change at different moments, as real ones do), on one database. Rules add instances of two workflow
 types, let workers complete or fail tasks, deliver events, scan, run the safety sweep, and:
 
@@ -39,12 +39,11 @@ from prometheus_client import CollectorRegistry
 from support import Env, StackContext
 
 from bridge.bus import EventBus
-from bridge.exceptions import FlagStoreUnavailable
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.relay import Relay
-from bridge.routing import PHASES, Flag
-from bridge.schema import (
+from bridge.capture.relay import Relay
+from bridge.core.errors import FlagStoreUnavailable
+from bridge.core.phases import PHASES, Flag
+from bridge.core.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
+from bridge.db.schema import (
     bus_dead,
     bus_groups,
     bus_log,
@@ -57,9 +56,10 @@ from bridge.schema import (
     scheduler_leases,
     scheduler_members,
 )
-from bridge.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
-from bridge.verify import verify
-from bridge.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape, seed
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reference.oracle import verify
+from bridge.reference.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape, seed
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
@@ -186,7 +186,7 @@ class FlipMachine(RuleBasedStateMachine):
     @precondition(lambda self: not FlakyStore.down)
     @rule(everything=st.booleans(), workflow_type=st.sampled_from(TYPES))
     def rollback(self, everything: bool, workflow_type: str) -> None:
-        from bridge.promotion import rollback
+        from bridge.rollout.promotion import rollback
 
         rollback(self.store, None if everything else [workflow_type], reason="mid-flight", actor="hypothesis")
 

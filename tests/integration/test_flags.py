@@ -15,13 +15,13 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 from support import SHARED_DB_PARAMS, reset_shared, shared_engine, wait_for
 
-from bridge.db import create_engine
-from bridge.exceptions import FlagError, FlagStoreUnavailable
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.promotion import db_clock
-from bridge.routing import Flag, bucket, percent_threshold, poller_should_handle
-from bridge.schema import flag_audit, flags
+from bridge.core.errors import FlagError, FlagStoreUnavailable
+from bridge.core.phases import Flag, bucket, percent_threshold, poller_should_handle
+from bridge.db.clock import db_clock
+from bridge.db.engine import create_engine
+from bridge.db.schema import flag_audit, flags
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
 
 
 @pytest.fixture(params=SHARED_DB_PARAMS)

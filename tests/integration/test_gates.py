@@ -19,18 +19,20 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from support import SHARED_DB_PARAMS, shared_engine
 
-from bridge.capture import install_capture, remove_capture
-from bridge.db import db_now
-from bridge.dispatch import Path, ReadyTask, dispatch_many
-from bridge.exceptions import FlagError, GateRefused
-from bridge.flags import FlagStore
-from bridge.promotion import GateResult, db_clock, evaluate_gate, rollback, set_phase
-from bridge.readiness import ready_predicate, ready_since
-from bridge.reconcile import count_by_type
-from bridge.schema import decisions, dispatch_log, flag_audit, flags
-from bridge.settings import GateSettings
-from bridge.tasktable import TaskTable
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.capture.triggers import install_capture, remove_capture
+from bridge.core.errors import FlagError, GateRefused
+from bridge.core.settings import GateSettings
+from bridge.db.clock import db_clock
+from bridge.db.engine import db_now
+from bridge.db.schema import decisions, dispatch_log, flag_audit, flags
+from bridge.flags.store import FlagStore
+from bridge.reconcile.classify import count_by_type
+from bridge.reconcile.gate import GateResult
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.rollout.promotion import evaluate_gate, rollback, set_phase
+from bridge.tasktable.dispatch import Path, ReadyTask, dispatch_many
+from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable
 
 #: Small gates for tests: 20 compared tasks; 0 misses in 20 (upper bound 13.9%) passes a 15% budget,
 #: 1 miss in 21 (20.7%) does not.
@@ -366,7 +368,7 @@ def test_entering_dual_write_needs_the_capture_triggers(engine: Engine, tables: 
 # --- the reconciler's classification --------------------------------------------------------------
 
 def test_count_by_type_classifies_each_kind(engine: Engine, tables: TaskTable, store: FlagStore) -> None:
-    """One planted scenario per kind (see bridge/reconcile.py):
+    """One planted scenario per kind (see bridge/reconcile/classify.py):
 
     * polling type, poller dispatch -> poller (not compared);
     * dual_write: decision + poller dispatch -> matched; poller dispatch without decision -> missing;
@@ -459,7 +461,7 @@ def test_early_is_rederived_from_every_readiness_fact(engine: Engine, tables: Ta
     counts = count_by_type(engine, tables, until - timedelta(hours=1), until, objective=5.0, tolerance=10.0,
                            include_unacted=False)
     assert counts["sel"].counts == {"matched": 1, "early": 3}
-    from bridge.report import build_report
+    from bridge.reconcile.report import build_report
 
     report = build_report(engine, tables, until - timedelta(hours=1), until, settings=GATES, now=until)
     early = {m.task_id: m.detail for m in report.mismatches if m.kind == "early"}

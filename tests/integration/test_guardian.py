@@ -23,20 +23,21 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 from support import Env, wait_for
 
-from bridge import install
+from bridge.app import install
 from bridge.bus.redis_streams import RedisStreamsBus
-from bridge.db import create_engine, db_now
-from bridge.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
-from bridge.exceptions import PollbridgeError
-from bridge.flags import FlagStore
-from bridge.guardian import CheckReport, Finding, Guardian
-from bridge.mapping import TaskTableMapping
-from bridge.promotion import db_clock, rollback
-from bridge.routing import Flag
-from bridge.schema import dispatch_log, flag_audit, flags
-from bridge.settings import GuardianSettings, SchedulerSettings
-from bridge.tasktable import TaskTable
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.errors import PollbridgeError
+from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.phases import Flag
+from bridge.core.settings import GuardianSettings, SchedulerSettings
+from bridge.db.clock import db_clock
+from bridge.db.engine import create_engine, db_now
+from bridge.db.schema import dispatch_log, flag_audit, flags
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.rollout.guardian import CheckReport, Finding, Guardian
+from bridge.rollout.promotion import rollback
+from bridge.tasktable.tables import TaskTable
 
 GROUP = SchedulerSettings().group
 
@@ -112,7 +113,7 @@ def test_the_guardian_demotes_when_the_relay_is_stopped_and_the_backlog_ages_pas
     guardian = _guardian(engine, store, max_outbox_age=0.5)
     wait_for(lambda: guardian.outbox_age()[1] > 0.5, 30, what="the oldest outbox row to age past 0.5 s")
     before = {name: store.history(name) for name in ("reports", "billing", "patient")}
-    with caplog.at_level(logging.WARNING, logger="bridge.guardian"):
+    with caplog.at_level(logging.WARNING, logger="bridge.rollout.guardian"):
         report = guardian.check_once()
 
     assert sorted(report.demoted) == ["canary", "orders"]
@@ -275,7 +276,7 @@ def test_an_unreachable_bus_skips_the_lag_but_not_the_other_criteria(
         guardian = Guardian(engine, GuardianSettings(max_outbox_age=0.5, max_lag=1, min_tasks=10, max_miss_rate=0.1),
                             bus=bus, store=store, registry=CollectorRegistry(), bus_label="bus redis://127.0.0.1:1/0")
         wait_for(lambda: guardian.outbox_age()[1] > 0.5, 30, what="the oldest outbox row to age past 0.5 s")
-        with caplog.at_level(logging.WARNING, logger="bridge.guardian"):
+        with caplog.at_level(logging.WARNING, logger="bridge.rollout.guardian"):
             report = guardian.check_once()
     finally:
         bus.close()

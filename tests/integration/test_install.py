@@ -6,9 +6,10 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from bridge import install, migrate
-from bridge.db import create_engine
-from bridge.schema import VERSION_TABLE, metadata
+from bridge.app import install
+from bridge.db import migrate
+from bridge.db.engine import create_engine
+from bridge.db.schema import VERSION_TABLE, metadata
 
 
 def test_init_is_idempotent_and_reaches_head(empty_db_url: str) -> None:

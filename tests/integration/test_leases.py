@@ -15,8 +15,8 @@ from sqlalchemy.engine import Connection, Engine
 from support import LEASE_STORE_PARAMS, age_scheduler_member
 
 from bridge.bus.redis_streams import RedisStreamsBus
-from bridge.db import create_engine
-from bridge.schema import scheduler_members
+from bridge.db.engine import create_engine
+from bridge.db.schema import scheduler_members
 from event_scheduler.leases import PartitionLeases
 from event_scheduler.protocols import PartitionLeaseStore
 from event_scheduler.redis_leases import RedisPartitionLeases

@@ -11,13 +11,13 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 from support import drive_until_settled, wait_for
 
-from bridge import install
-from bridge.db import create_engine
-from bridge.mapping import TaskTableMapping
-from bridge.schema import dispatch_log
-from bridge.settings import WorkerSettings
-from bridge.tasktable import TaskTable, reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, demo_workload, seed
+from bridge.app import install
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import WorkerSettings
+from bridge.db.engine import create_engine
+from bridge.db.schema import dispatch_log
+from bridge.reference.workload import TaskSpec, WorkflowSpec, demo_workload, seed
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.runner import PollerRunner
 from legacy_poller.workers import WorkerPool

@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 from support import SHARED_DB_PARAMS, shared_engine, wait_for
 
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.routing import bucket, percent_threshold
-from bridge.schema import dispatch_log
-from bridge.tasktable import TaskTable
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.phases import bucket, percent_threshold
+from bridge.db.schema import dispatch_log
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import TaskTable
 from legacy_poller.poller import LegacyPoller
 
 

@@ -24,19 +24,12 @@ from sqlalchemy.engine import Engine
 from support import LEASE_STORE_PARAMS, age_scheduler_member, wait_for
 
 from bridge.bus import EventBus, open_bus
-from bridge.capture import remove_capture
-from bridge.db import create_engine, db_now
-from bridge.dispatch import ReadyTask, dispatch_many
-from bridge.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
-from bridge.flags import FlagStore
-from bridge.mapping import TaskTableMapping
-from bridge.preflight import CHECKS, PreflightReport, checks_for, run_preflight
-from bridge.promotion import rollback
-from bridge.readiness import ready_predicate, ready_since
-from bridge.relay import Relay
-from bridge.routing import FixedRouter
-from bridge.schema import decisions, flag_audit, outbox, outbox_dead, relay_state
-from bridge.settings import (
+from bridge.capture.relay import Relay
+from bridge.capture.triggers import remove_capture
+from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import (
     BusSettings,
     GateSettings,
     PreflightSettings,
@@ -44,8 +37,15 @@ from bridge.settings import (
     SchedulerSettings,
     Settings,
 )
-from bridge.tasktable import TaskTable, reflect_tables
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.db.engine import create_engine, db_now
+from bridge.db.schema import decisions, flag_audit, outbox, outbox_dead, relay_state
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.rollout.preflight import CHECKS, PreflightReport, checks_for, run_preflight
+from bridge.rollout.promotion import rollback
+from bridge.tasktable.dispatch import ReadyTask, dispatch_many
+from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.leases import lease_store
 from event_scheduler.scheduler import EventScheduler
 
@@ -474,7 +474,7 @@ def test_rollback_rehearsed_needs_a_recent_rollback_of_the_type(stack: Stack) ->
 # --- everything at once, bad input, the CLI -------------------------------------------------------------
 
 def test_bad_input_is_refused_before_anything_is_read(stack: Stack) -> None:
-    from bridge.exceptions import FlagError
+    from bridge.core.errors import FlagError
 
     for args in (("orders", "nowhere", None), ("bad name!", "selective", None), ("orders", "selective", 101.0),
                  ("orders", "cutover", 50.0), ("orders", "selective", 12.345)):

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
-from bridge.readiness import ready_predicate, ready_since
-from bridge.tasktable import TaskTable
-from bridge.verify import as_utc
+from bridge.db.clock import as_utc
+from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable
 
 STATUSES = ["pending", "queued", "running", "completed", "failed"]
 

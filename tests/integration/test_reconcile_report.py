@@ -29,17 +29,17 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from bridge.bus import open_bus
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.promotion import db_clock
-from bridge.relay import Relay
-from bridge.report import HISTOGRAM_EDGES_MS, TIMELINE_BUCKETS, Report, build_report, parse_when
-from bridge.report_html import render_html
-from bridge.schema import decisions, dispatch_log, flag_audit, flags
-from bridge.settings import GateSettings, RelaySettings, SchedulerSettings, WorkerSettings
-from bridge.tasktable import TaskTable
-from bridge.verify import as_utc, percentile
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.capture.relay import Relay
+from bridge.core.settings import GateSettings, RelaySettings, SchedulerSettings, WorkerSettings
+from bridge.db.clock import as_utc, db_clock
+from bridge.db.schema import decisions, dispatch_log, flag_audit, flags
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reconcile.html import render_html
+from bridge.reconcile.report import HISTOGRAM_EDGES_MS, TIMELINE_BUCKETS, Report, build_report, parse_when
+from bridge.reference.oracle import percentile
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
@@ -79,7 +79,7 @@ class Drive:
         self.router.refresh()
 
     def settled(self, instance_ids: list[str]) -> bool:
-        from bridge.verify import verify
+        from bridge.reference.oracle import verify
 
         with self.engine.connect() as conn:
             return verify(conn, self.tables, instance_ids).unsettled == 0
@@ -201,7 +201,7 @@ def test_histograms_and_timelines_count_every_first_action(drive: Drive) -> None
                 hist[-1] += 1
         path = next(p for p in ("events", "fallback", "poller", "decision") if p in f)
         at = utc(f[path])
-        # SQLite binds the window's start as text to the millisecond (bridge.reconcile.bind_time); PostgreSQL
+        # SQLite binds the window's start as text to the millisecond (bridge.reconcile.classify.bind_time); PostgreSQL
         # binds it whole (truncating it there too put an action up to 1 ms past an edge a bucket late).
         since = utc(start.replace(microsecond=start.microsecond // 1000 * 1000) if sqlite else start)
         bucket = min(int((at - since).total_seconds() // width_s), TIMELINE_BUCKETS - 1)
@@ -295,7 +295,7 @@ def test_html_is_self_contained_and_escapes(drive: Drive) -> None:
 def test_parse_when() -> None:
     from datetime import UTC, datetime
 
-    from bridge.exceptions import ConfigError
+    from bridge.core.errors import ConfigError
 
     now = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
     assert parse_when("30m", now) == now - timedelta(minutes=30)
@@ -389,7 +389,7 @@ def test_clean_runs_have_no_mismatch(engine: Engine, tables: TaskTable, shapes: 
     reconciles with zero mismatches."""
     import random
 
-    from bridge.workload import make_shape
+    from bridge.reference.workload import make_shape
 
     with engine.begin() as conn:
         for table in (dispatch_log, decisions, flag_audit, flags):

@@ -14,12 +14,12 @@ import sqlalchemy as sa
 from support import Env, wait_for
 
 from bridge.bus import EventBus, open_bus
-from bridge.bus.abc import Delivery
-from bridge.leadership import ADVISORY_NAMESPACE
-from bridge.relay import Relay
-from bridge.schema import outbox, outbox_dead, relay_state
-from bridge.settings import RelaySettings
-from bridge.verify import as_utc
+from bridge.bus.base import Delivery
+from bridge.capture.leadership import ADVISORY_NAMESPACE
+from bridge.capture.relay import Relay
+from bridge.core.settings import RelaySettings
+from bridge.db.clock import as_utc
+from bridge.db.schema import outbox, outbox_dead, relay_state
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
                      lease_timeout=1.0, purge_interval=3600)
@@ -351,8 +351,8 @@ def test_purge_trims_the_bus_of_what_every_group_acknowledged(env: Env) -> None:
 
 def test_database_built_payload_equals_the_python_event(env: Env) -> None:
     """The relay's hot path lets the database write the JSON; it must parse to the very same event."""
-    from bridge.events import CloudEvent
-    from bridge.relay import event_payload_sql, row_to_event
+    from bridge.capture.relay import event_payload_sql, row_to_event
+    from bridge.core.events import CloudEvent
 
     add_tasks(env, "eq", 2)
     with env.engine.begin() as conn:

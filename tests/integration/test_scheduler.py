@@ -12,12 +12,12 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from support import Env, wait_for
 
-from bridge.relay import Relay
-from bridge.routing import FixedRouter, Phase
-from bridge.schema import decisions, dispatch_log, signals
-from bridge.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
-from bridge.verify import verify
-from bridge.workload import TaskSpec, WorkflowSpec, demo_workload, seed
+from bridge.capture.relay import Relay
+from bridge.core.phases import FixedRouter, Phase
+from bridge.core.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
+from bridge.db.schema import decisions, dispatch_log, signals
+from bridge.reference.oracle import verify
+from bridge.reference.workload import TaskSpec, WorkflowSpec, demo_workload, seed
 from event_scheduler import evaluate as evaluate_module
 from event_scheduler.exceptions import SignalError
 from event_scheduler.scheduler import EventScheduler
@@ -295,7 +295,7 @@ def test_a_stale_retry_timer_does_not_keep_the_current_attempts_retry_from_firin
 
 
 def test_poison_and_unknown_events(env: Env, stack: Stack) -> None:
-    from bridge.events import CloudEvent
+    from bridge.core.events import CloudEvent
 
     bus = env.open_bus()
     sched = stack.scheduler("cutover", start=False)
@@ -321,7 +321,7 @@ def _write_raw(env: Env, bus: Any, payload: str) -> None:
     if env.kind.endswith("redis"):
         bus.client.xadd(bus.keys.stream(0), {"id": "raw", "payload": payload})
     else:
-        from bridge.schema import bus_log
+        from bridge.db.schema import bus_log
 
         with env.engine.begin() as conn:
             conn.execute(bus_log.insert().values(partition=0, event_id="raw", payload=payload,

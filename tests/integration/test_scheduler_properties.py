@@ -12,7 +12,7 @@ replayed, due timers fired by hand (``timers.due()`` + ``_fire``), and the sched
 After every step no dispatch may be early or doubled. At teardown everything is driven (without a
 restart, so a lost trigger cannot be hidden by a catch-up) until every task settled, and then:
 
-* nothing is lost, early or dispatched twice (:func:`bridge.verify.verify`, invariants 1-3);
+* nothing is lost, early or dispatched twice (:func:`bridge.reference.oracle.verify`, invariants 1-3);
 * the dispatch log holds exactly attempts ``1..n`` for a task the workers ran ``n`` times, all on the
   ``events`` path, whatever was duplicated, reordered, raced or redelivered (invariant 5);
 * every dropped entry was handed out again by ``claim_stale`` and nothing is left pending.
@@ -44,10 +44,11 @@ from sqlalchemy.engine import Engine
 from support import Env, StackContext, age_scheduler_member
 
 from bridge.bus import EventBus
-from bridge.bus.abc import Delivery
-from bridge.relay import Relay
-from bridge.routing import FixedRouter
-from bridge.schema import (
+from bridge.bus.base import Delivery
+from bridge.capture.relay import Relay
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
+from bridge.db.schema import (
     bus_dead,
     bus_groups,
     bus_log,
@@ -60,10 +61,9 @@ from bridge.schema import (
     scheduler_members,
     signals,
 )
-from bridge.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
-from bridge.tasktable import TaskTable
-from bridge.verify import verify
-from bridge.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape, seed
+from bridge.reference.oracle import verify
+from bridge.reference.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape, seed
+from bridge.tasktable.tables import TaskTable
 from event_scheduler import evaluate as evaluate_module
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal

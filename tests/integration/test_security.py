@@ -36,18 +36,19 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import Engine
 
-from bridge import install
+from bridge.app import install
 from bridge.bus.embedded import EmbeddedBus
+from bridge.capture.relay import Relay
 from bridge.cli.main import cli
-from bridge.db import create_engine, mask_url, normalize_url
-from bridge.exceptions import FlagError, PollbridgeError
-from bridge.flags import FlagStore
-from bridge.relay import Relay
-from bridge.routing import FixedRouter
-from bridge.settings import RelaySettings, SchedulerSettings, Settings, load_settings
-from bridge.tasktable import reflect_tables
-from bridge.verify import verify
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.core.errors import FlagError, PollbridgeError
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import RelaySettings, SchedulerSettings, Settings, load_settings
+from bridge.core.urls import mask_url
+from bridge.db.engine import create_engine, normalize_url
+from bridge.flags.store import FlagStore
+from bridge.reference.oracle import verify
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.tables import reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
@@ -169,7 +170,7 @@ def test_redis_commands_cannot_be_smuggled_through_names(redis_server: str, redi
     import redis
 
     from bridge.bus.redis_streams import RedisStreamsBus
-    from bridge.events import CloudEvent
+    from bridge.core.events import CloudEvent
 
     client = redis.Redis.from_url(redis_server)
     canary = f"{redis_namespace}-canary"

@@ -25,16 +25,16 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from support import Env, wait_for
 
-from bridge.bus.abc import DeadLetter, Delivery, EventBus, entry_order, partition_for
-from bridge.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
-from bridge.relay import Relay
-from bridge.routing import FixedRouter
-from bridge.schema import outbox, signals
+from bridge.bus.base import DeadLetter, Delivery, EventBus, entry_order, partition_for
+from bridge.capture.relay import Relay
+from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import RelaySettings, SchedulerSettings, ServeSettings, Settings, WorkerSettings
+from bridge.db.schema import outbox, signals
+from bridge.reference.oracle import percentile, verify
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.serve.app import BackgroundServer, ServeApp, ServeContext
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
-from bridge.settings import RelaySettings, SchedulerSettings, ServeSettings, Settings, WorkerSettings
-from bridge.verify import percentile, verify
-from bridge.workload import TaskSpec, WorkflowSpec, seed
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.workers import WorkerPool
 
@@ -178,9 +178,9 @@ def _signal_rows(env: Env) -> int:
 def sqlite_env(sqlite_url: str) -> Iterator[Env]:
     """SQLite + embedded bus only: for what does not depend on the stack (signatures, errors)."""
     from bridge.bus import open_bus
-    from bridge.db import create_engine
-    from bridge.mapping import TaskTableMapping
-    from bridge.tasktable import reflect_tables
+    from bridge.core.mapping import TaskTableMapping
+    from bridge.db.engine import create_engine
+    from bridge.tasktable.tables import reflect_tables
 
     engine = create_engine(sqlite_url)
     buses: list[EventBus] = []

@@ -21,18 +21,18 @@ from sqlalchemy.engine import Engine
 from support import Env
 
 from bridge.bus import open_bus
-from bridge.bus.abc import partition_for
-from bridge.exceptions import FlagStoreUnavailable
-from bridge.flag_router import FlagRouter
-from bridge.flags import FlagStore
-from bridge.promotion import rollback
-from bridge.relay import Relay
-from bridge.routing import Flag
-from bridge.schema import dispatch_log, outbox
-from bridge.settings import RelaySettings, SchedulerSettings
-from bridge.status import Status, StatusCollector, gather_status
-from bridge.tasktable import TaskTable
-from bridge.workload import TaskSpec, WorkflowSpec, seed
+from bridge.bus.base import partition_for
+from bridge.capture.relay import Relay
+from bridge.core.errors import FlagStoreUnavailable
+from bridge.core.phases import Flag
+from bridge.core.settings import RelaySettings, SchedulerSettings
+from bridge.db.schema import dispatch_log, outbox
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reconcile.status import Status, StatusCollector, gather_status
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.rollout.promotion import rollback
+from bridge.tasktable.tables import TaskTable
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not pa
 
 from bench import _paths_common as pc
 from bench.paths import build_workload
-from bridge.verify import percentile
+from bridge.reference.oracle import percentile
 
 
 @pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal"])

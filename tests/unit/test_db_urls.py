@@ -1,4 +1,4 @@
-"""Unit tests of bridge.db: URL masking and normalisation, the database clock on SQLite."""
+"""Unit tests of bridge.db.engine: URL masking and normalisation, the database clock on SQLite."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine, make_url
 
-from bridge.db import create_engine, db_now, mask_url, millis_between, normalize_url, open_engine
-from bridge.exceptions import ConfigError
+from bridge.core.errors import ConfigError
+from bridge.core.urls import mask_url
+from bridge.db.engine import create_engine, db_now, millis_between, normalize_url, open_engine
 
 passwords = st.text(alphabet=st.characters(exclude_categories=("Cs",)), min_size=1, max_size=40)
 # Passwords that are safe to paste into a URL unencoded ('@' ends the credentials, '%' starts an escape).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bridge.idle import MAX_IDLE_POLL, idle_poll
+from bridge.core.idle import MAX_IDLE_POLL, idle_poll
 
 
 def test_busy_pollers_keep_their_interval() -> None:

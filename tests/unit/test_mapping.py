@@ -1,4 +1,4 @@
-"""Unit tests of bridge.identifiers and bridge.mapping (no database server)."""
+"""Unit tests of bridge.core.identifiers and bridge.core.mapping (no database server)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.demo_schema import demo_metadata, is_default_mapping
-from bridge.exceptions import ConfigError, MappingError
-from bridge.identifiers import validate_identifier, validate_optional_identifier
-from bridge.mapping import (
+from bridge.core.errors import ConfigError, MappingError
+from bridge.core.identifiers import validate_identifier, validate_optional_identifier
+from bridge.core.mapping import (
     STATUS_NAMES,
     EdgesTable,
     InstancesTable,
@@ -21,6 +20,7 @@ from bridge.mapping import (
     TaskColumns,
     TaskTableMapping,
 )
+from bridge.reference.schema import demo_metadata, is_default_mapping
 
 VALID = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 

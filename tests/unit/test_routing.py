@@ -12,11 +12,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from bridge.exceptions import FlagError, GateRefused
-from bridge.flags import validate_percent, validate_phase, validate_reason, validate_thresholds, validate_type_name
-from bridge.promotion import is_promotion
-from bridge.reconcile import miss_rate_upper
-from bridge.routing import (
+from bridge.core.errors import FlagError, GateRefused
+from bridge.core.phases import (
     BUCKETS,
     PHASES,
     ROUTE_OF_PHASE,
@@ -27,6 +24,15 @@ from bridge.routing import (
     percent_threshold,
     poller_should_handle,
 )
+from bridge.flags.store import (
+    validate_percent,
+    validate_phase,
+    validate_reason,
+    validate_thresholds,
+    validate_type_name,
+)
+from bridge.reconcile.classify import miss_rate_upper
+from bridge.rollout.promotion import is_promotion
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 

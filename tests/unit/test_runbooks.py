@@ -249,7 +249,7 @@ def test_step_ids_are_unique_and_follow_their_runbook() -> None:
 
 
 def test_runbooks_name_only_checks_preflight_runs_and_name_every_check() -> None:
-    from bridge.preflight import CHECKS, REGISTRY, checks_for
+    from bridge.rollout.preflight import CHECKS, REGISTRY, checks_for
 
     named: set[str] = set()
     for step in all_steps():
@@ -266,8 +266,8 @@ def test_runbooks_name_only_checks_preflight_runs_and_name_every_check() -> None
 
 
 def test_the_overview_matrix_is_the_registry() -> None:
-    from bridge.preflight import CHECKS, matrix
-    from bridge.routing import PHASES
+    from bridge.core.phases import PHASES
+    from bridge.rollout.preflight import CHECKS, matrix
 
     text = (RUNBOOK_DIR / "00-overview.md").read_text(encoding="utf-8")
     header = next(line for line in text.splitlines() if line.startswith("| check |"))
@@ -284,8 +284,8 @@ def test_the_overview_matrix_is_the_registry() -> None:
 
 
 def test_the_preflight_docstring_matrix_is_the_registry() -> None:
-    import bridge.preflight as preflight
-    from bridge.routing import PHASES
+    import bridge.rollout.preflight as preflight
+    from bridge.core.phases import PHASES
 
     rows: dict[str, dict[str, bool]] = {}
     lines = (preflight.__doc__ or "").splitlines()
@@ -300,7 +300,7 @@ def test_the_preflight_docstring_matrix_is_the_registry() -> None:
 
 
 def test_polling_needs_only_the_database() -> None:
-    from bridge.preflight import checks_for
+    from bridge.rollout.preflight import checks_for
 
     assert [c.name for c in checks_for("polling")] == ["database"]
 
@@ -376,7 +376,7 @@ def test_incidents_have_a_fault_and_detect_fix_verify() -> None:
 
 
 def test_toml_snippets_are_valid_settings() -> None:
-    from bridge.settings import settings_from_dict
+    from bridge.core.settings import settings_from_dict
 
     block = re.compile(r"```toml\n(.*?)```", re.S)
     for name in RUNBOOKS:
@@ -385,7 +385,7 @@ def test_toml_snippets_are_valid_settings() -> None:
 
 
 def test_preflight_lines_in_expected_output_name_real_checks() -> None:
-    from bridge.preflight import REGISTRY
+    from bridge.rollout.preflight import REGISTRY
 
     for step in all_steps():
         for command in step.commands:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from bridge.runtime import enable_stack_dumps
+from bridge.core.runtime import enable_stack_dumps
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
 
@@ -38,7 +38,7 @@ def test_no_stderr_at_all_means_no_dumps_and_no_error(monkeypatch: pytest.Monkey
 def test_sigusr1_writes_every_threads_stack_and_the_process_goes_on() -> None:
     script = textwrap.dedent("""
         import os, signal, threading, time
-        from bridge.runtime import enable_stack_dumps
+        from bridge.core.runtime import enable_stack_dumps
         enable_stack_dumps()
         ready = threading.Event()
         def parked_in_a_named_function():

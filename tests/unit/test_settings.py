@@ -1,4 +1,4 @@
-"""Unit tests of bridge.settings: precedence, file discovery, validation."""
+"""Unit tests of bridge.core.settings: precedence, file discovery, validation."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from bridge.exceptions import ConfigError, MappingError
-from bridge.mapping import TaskTableMapping
-from bridge.settings import (
+from bridge.core.errors import ConfigError, MappingError
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import (
     DEFAULT_BUS_URL,
     DEFAULT_DATABASE_URL,
     PollerSettings,

@@ -1,4 +1,4 @@
-"""Unit tests of bridge.verify.percentile: nearest-rank semantics."""
+"""Unit tests of bridge.reference.oracle.percentile: nearest-rank semantics."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from bridge.verify import percentile
+from bridge.reference.oracle import percentile
 
 values_lists = st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=60)
 int_lists = st.lists(st.integers(-1000, 1000), min_size=1, max_size=60)

@@ -1,4 +1,4 @@
-"""Unit tests of bridge.workload: cycle detection, DAG validation, DAG shapes, the demo workload."""
+"""Unit tests of bridge.reference.workload: cycle detection, DAG validation, DAG shapes, the demo workload."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.exceptions import PollbridgeError, WorkloadError
-from bridge.workload import SHAPES, TaskSpec, demo_workload, find_cycle, make_shape, validate_dag
+from bridge.core.errors import PollbridgeError, WorkloadError
+from bridge.reference.workload import SHAPES, TaskSpec, demo_workload, find_cycle, make_shape, validate_dag
 
 
 def _is_acyclic(deps: Mapping[str, Sequence[str]]) -> bool:

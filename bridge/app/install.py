@@ -1,0 +1,71 @@
+"""``init`` and ``uninstall``: pollbridge's own objects, and nothing else.
+
+``init`` applies the migrations (idempotent: a database at head is left as it is) and, with
+``demo_schema``, creates the reference legacy tables if they are missing. ``uninstall`` runs the
+migrations down and drops the version table; it cannot reach the scheduler's tables because it
+only ever drops objects the migrations created, all prefixed ``pollbridge_``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Engine
+
+from bridge.capture.triggers import install_capture, remove_capture
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import CaptureSettings
+from bridge.db import migrate
+from bridge.db.engine import check_connection
+from bridge.reference.schema import create_demo_schema
+from bridge.tasktable.tables import reflect_tables
+
+
+@dataclass(frozen=True)
+class InitResult:
+    revision_before: str | None
+    revision_after: str
+    demo_tables_created: tuple[str, ...]
+    capture_installed: bool = False
+
+
+def init(
+    engine: Engine,
+    *,
+    demo_schema: bool = False,
+    mapping: TaskTableMapping | None = None,
+    capture: CaptureSettings | None = None,
+) -> InitResult:
+    """Apply the migrations; with a ``mapping``, also (re)install the capture triggers on its task table.
+
+    The mapping is checked against the database before anything is migrated, so a mapping that
+    names a missing table or column changes nothing (only the demo tables, when asked for, exist)."""
+    check_connection(engine)
+    created: list[str] = []
+    if demo_schema:
+        with engine.begin() as conn:
+            created = create_demo_schema(conn)
+    tables = reflect_tables(engine, mapping) if mapping is not None else None
+    before = migrate.current_revision(engine)
+    if before != migrate.head_revision():
+        migrate.upgrade(engine)
+    after = migrate.current_revision(engine)
+    assert after is not None
+    if tables is not None:
+        capture = capture or CaptureSettings()
+        with engine.begin() as conn:
+            install_capture(conn, tables, wake=capture.wake,  # type: ignore[arg-type]
+                            relay_partitions=capture.relay_partitions)
+    return InitResult(before, after, tuple(created), tables is not None)
+
+
+def uninstall(engine: Engine) -> list[str]:
+    """Remove pollbridge's objects; return the tables that were dropped."""
+    check_connection(engine)
+    before = migrate.owned_tables(engine)
+    with engine.begin() as conn:
+        remove_capture(conn)
+    if migrate.current_revision(engine) is not None:
+        migrate.downgrade_all(engine)
+    after = set(migrate.owned_tables(engine))
+    return [t for t in before if t not in after]

@@ -1,0 +1,155 @@
+"""Every component in one process: relay, event scheduler, poller (with its safety sweep), guardian and,
+optionally, the demo workers — for the embedded default and small deployments (``pollbridge run-all``).
+
+Each component keeps its own engine (so its statements can be counted apart, and a slow one cannot
+starve another's connections) and its own thread; all of them follow one :class:`FlagRouter`. In
+production each is its own command (``relay run``, ``scheduler run``, ``poller run``, ``guardian run``),
+so that each can be restarted, scaled and watched on its own.
+
+A component that raises is logged and restarted after a pause (each loop already retries its own
+transient failures), so one failing part never stops the others; :meth:`Stack.stop` stops them all
+and waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from bridge.bus import EventBus, open_bus
+from bridge.capture.relay import Relay
+from bridge.core.phases import EventRouter, FixedRouter
+from bridge.core.settings import Settings
+from bridge.db.engine import StatementCounter, check_connection, create_engine
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.rollout.guardian import Guardian
+from bridge.tasktable.tables import TaskTable, reflect_tables
+from event_scheduler.scheduler import EventScheduler
+from legacy_poller.poller import LegacyPoller
+from legacy_poller.runner import PollerRunner
+from legacy_poller.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("relay", "scheduler", "poller", "guardian", "workers")
+RESTART_PAUSE = 1.0
+
+
+@dataclass
+class StackOptions:
+    poll_interval: float | None = None      # default: settings.poller.interval
+    sweep_interval: float | None = None     # default: settings.router.sweep_interval
+    demo_workers: bool = False
+    scheduler_phase: str | None = None      # a fixed phase for every type instead of the flags
+    count_statements: bool = False
+    worker_seed: int | None = None
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    options: StackOptions = field(default_factory=StackOptions)
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.counters: dict[str, StatementCounter] = {}
+        self.buses: list[EventBus] = []
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self.runner: PollerRunner | None = None
+        self.workers: WorkerPool | None = None
+        self.router: FlagRouter | None = None
+
+    def _engine(self, component: str, pool_size: int = 5) -> Engine:
+        engine = create_engine(self.settings.database_url, pool_size=pool_size)
+        if self.options.count_statements:
+            counter = StatementCounter()
+            counter.attach(engine)
+            self.counters[component] = counter
+        self.engines[component] = engine
+        return engine
+
+    def _bus(self, engine: Engine) -> EventBus:
+        s = self.settings
+        bus = open_bus(s.bus_url, engine=engine, partitions=s.bus.partitions, namespace=s.bus.namespace)
+        self.buses.append(bus)
+        return bus
+
+    def start(self) -> Stack:
+        s = self.settings
+        main = self._engine("router")
+        check_connection(main)
+        tables: TaskTable = reflect_tables(main, s.mapping)
+        self.tables = tables
+        self.router = FlagRouter(FlagStore(main, default_grace=s.router.grace),
+                                 refresh_interval=s.router.refresh_interval,
+                                 fallback_interval=s.router.fallback_interval, registry=self.registry).start()
+        router: EventRouter = (FixedRouter(self.options.scheduler_phase)  # type: ignore[arg-type]
+                               if self.options.scheduler_phase else self.router)
+
+        relay_engine = self._engine("relay")
+        self.relay = Relay(relay_engine, self._bus(relay_engine), s.relay, statuses=s.mapping.statuses,
+                           wake=s.capture.wake, registry=self.registry)  # type: ignore[arg-type]
+        sched_engine = self._engine("scheduler")
+        self.scheduler = EventScheduler(sched_engine, tables, self._bus(sched_engine), s.scheduler, router,
+                                        visibility_timeout=s.bus.visibility_timeout, registry=self.registry)
+        self.router.on_event_share_growth(self.scheduler.request_catch_up)
+        poller_engine = self._engine("poller")
+        self.poller = LegacyPoller(poller_engine, tables, batch_size=s.poller.batch_size, registry=self.registry,
+                                   router=self.router)
+        guardian_engine = self._engine("guardian")
+        self.guardian = Guardian(guardian_engine, s.guardian, bus=self._bus(guardian_engine), group=s.scheduler.group,
+                                 store=FlagStore(guardian_engine, default_grace=s.router.grace),
+                                 registry=self.registry)
+
+        self._spawn("relay", self.relay.run)
+        self._spawn("scheduler", self.scheduler.run)
+        self._spawn("guardian", self.guardian.run)
+        self.runner = PollerRunner(self.poller, self.options.poll_interval or s.poller.interval,
+                                   sweep_interval=self.options.sweep_interval or s.router.sweep_interval)
+        self.runner.start()
+        if self.options.demo_workers:
+            worker_engine = self._engine("workers", pool_size=s.workers.concurrency + 1)
+            self.workers = WorkerPool(worker_engine, tables, s.workers, registry=self.registry,
+                                      seed=self.options.worker_seed)
+            self.workers.start()
+        return self
+
+    def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        def supervise() -> None:
+            while not self._stop.is_set():
+                try:
+                    target(self._stop)
+                    return
+                except Exception:  # one failing component must not stop the others
+                    log.exception("%s failed; restarting it in %.0f s", name, RESTART_PAUSE)
+                    self._stop.wait(RESTART_PAUSE)
+
+        thread = threading.Thread(target=supervise, name=f"pollbridge-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def statements(self) -> dict[str, int]:
+        return {name: counter.count for name, counter in self.counters.items()}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.runner is not None:
+            self.runner.stop()
+        if self.workers is not None:
+            self.workers.stop()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        if self.router is not None:
+            self.router.stop()
+        for bus in self.buses:
+            bus.close()
+        for engine in self.engines.values():
+            engine.dispose()

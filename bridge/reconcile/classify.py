@@ -1,0 +1,463 @@
+"""The reconciler's core: what each path did for every task that became ready in a window.
+
+Set-based SQL, never a Python loop over tasks. Every dispatch (``pollbridge_dispatch_log``, paths
+``poller``, ``events``, ``fallback``) and every shadow decision (``pollbridge_decisions``) in the window
+is grouped by (task, attempt) and classified:
+
+``duplicate``  more than one dispatch of the same attempt (a safety violation);
+``early``      an action before the task's readiness, re-derived from the task table (its
+               dependencies' completion times, its awaited signal, and for the current attempt its
+               due time), not from what the dispatcher recorded (a safety violation);
+``matched``    the event path acted (dispatch or shadow decision) within the latency objective;
+``late``       the event path acted, past the objective;
+``missing``    the event path was responsible but did not act: the poller's fallback or safety
+               sweep dispatched it, or the poller dispatched it while the type was in ``dual_write``
+               and no decision was recorded; also a task ready longer than the tolerance that no path
+               dispatched, in a phase where the event path is responsible;
+``extra``      a shadow decision for an attempt no path dispatched within the tolerance (it acted on
+               a task that, for the poller, never became ready);
+``pending``    not decided yet: inside the tolerance at the window's end (expected noise, named);
+``poller``     dispatched by the poller while it was authoritative (``polling``, or an instance
+               outside a ``selective`` percentage): not an event-path comparison.
+
+``compared`` = matched + late + missing + early + duplicate + extra: the tasks that are evidence about
+the event path, the denominator of the miss rate. :func:`miss_rate_upper` is the exact
+(Clopper-Pearson) one-sided upper confidence bound of that rate, so 0 misses in 30 tasks is not
+mistaken for a 0% miss rate.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from bridge.db.clock import as_utc
+from bridge.db.engine import db_ago, db_now, millis_between, read_only
+from bridge.db.schema import decisions, dispatch_log, flag_audit, flags
+from bridge.tasktable.readiness import greatest, ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable
+
+KINDS = ("matched", "missing", "extra", "duplicate", "early", "late", "pending", "poller")
+COMPARED = ("matched", "late", "missing", "early", "duplicate", "extra")
+
+
+@dataclass(frozen=True)
+class TypeCounts:
+    workflow_type: str
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, kind: str) -> int:
+        return self.counts.get(kind, 0)
+
+    @property
+    def compared(self) -> int:
+        return sum(self[k] for k in COMPARED)
+
+    @property
+    def tasks(self) -> int:
+        return sum(self.counts.values())
+
+
+def miss_rate_upper(misses: int, n: int, confidence: float = 0.95) -> float:
+    """Exact one-sided upper confidence bound (Clopper-Pearson) of a rate seen as ``misses`` in ``n``.
+
+    With no misses it is ``1 - (1 - confidence) ** (1 / n)``: 0 in 30 gives 9.5%, and a 0.1% budget
+    needs about 3,000 clean tasks at 95%."""
+    if n <= 0 or misses >= n:
+        return 1.0
+    alpha = 1.0 - confidence
+    if misses == 0:
+        return 1.0 - float(alpha ** (1.0 / n))
+    lo, hi = misses / n, 1.0
+    for _ in range(80):  # P(X <= misses; n, p) falls as p grows: bisect for the p where it equals alpha
+        mid = (lo + hi) / 2
+        if _binom_cdf(misses, n, mid) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    if p <= 0:
+        return 1.0
+    if p >= 1:
+        return 0.0 if k < n else 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    base = math.lgamma(n + 1)
+    terms = [base - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q for i in range(k + 1)]
+    top = max(terms)
+    return math.exp(top) * math.fsum(math.exp(t - top) for t in terms)
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    workflow_type: str
+    phase: str
+    since: datetime | None  # None: from the beginning
+    until: datetime | None  # None: still in force
+
+
+def phase_spans(engine: Engine, types: Sequence[str] | None = None) -> list[PhaseSpan]:
+    """The phase of each type over time, from the audit trail (a type with no change: ``polling``)."""
+    q = sa.select(flag_audit.c.workflow_type, flag_audit.c.old_phase, flag_audit.c.new_phase,
+                  flag_audit.c.changed_at).order_by(flag_audit.c.workflow_type, flag_audit.c.id)
+    if types:
+        q = q.where(flag_audit.c.workflow_type.in_(list(types)))
+    with read_only(engine).connect() as conn:
+        rows = conn.execute(q).all()
+    spans: list[PhaseSpan] = []
+    by_type: dict[str, list[Any]] = {}
+    for r in rows:
+        by_type.setdefault(r.workflow_type, []).append(r)
+    for name, changes in by_type.items():
+        start: datetime | None = None
+        phase = changes[0].old_phase
+        for change in changes:
+            at = as_utc(change.changed_at)
+            spans.append(PhaseSpan(name, phase, start, at))
+            start, phase = at, change.new_phase
+        spans.append(PhaseSpan(name, phase, start, None))
+    return spans
+
+
+
+def bind_time(engine: Engine, value: datetime) -> Any:
+    """A timestamp as the dialect stores it (SQLite keeps db_now() text: naive UTC, millisecond text)."""
+    value = value.astimezone(UTC)
+    if engine.dialect.name == "sqlite":
+        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return value
+
+
+def _phase_at(engine: Engine, spans: Sequence[PhaseSpan], type_col: Any, at_col: Any) -> sa.ColumnElement[Any]:
+    """SQL: the phase of ``type_col`` at time ``at_col`` (a CASE over the audit trail's spans)."""
+    whens: list[tuple[sa.ColumnElement[bool], str]] = []
+    for span in spans:
+        cond = [type_col == span.workflow_type]
+        if span.since is not None:
+            cond.append(at_col >= bind_time(engine, span.since))
+        if span.until is not None:
+            cond.append(at_col < bind_time(engine, span.until))
+        whens.append((sa.and_(*cond), span.phase))
+    if not whens:
+        return sa.literal("polling")
+    return sa.case(*whens, else_=sa.literal("polling"))
+
+
+def _actions(engine: Engine, since: datetime, until: datetime, types: Sequence[str] | None,
+             name: str) -> sa.Subquery:
+    """Every dispatch and shadow decision in the window: (task_id, attempt, workflow_type, kind, ready_at, at)."""
+    lo, hi = bind_time(engine, since), bind_time(engine, until)
+    dl, dc = dispatch_log, decisions
+    log_q = sa.select(dl.c.task_id, dl.c.attempt, dl.c.workflow_type, dl.c.path.label("kind"), dl.c.ready_at,
+                      dl.c.dispatched_at.label("at")).where(dl.c.dispatched_at >= lo, dl.c.dispatched_at < hi)
+    dec_q = sa.select(dc.c.task_id, dc.c.attempt, dc.c.workflow_type, sa.literal("decision").label("kind"),
+                      dc.c.ready_at, dc.c.decided_at.label("at")).where(dc.c.decided_at >= lo, dc.c.decided_at < hi)
+    if types:
+        log_q = log_q.where(dl.c.workflow_type.in_(list(types)))
+        dec_q = dec_q.where(dc.c.workflow_type.in_(list(types)))
+    return sa.union_all(log_q, dec_q).subquery(name)
+
+
+def window_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
+               types: Sequence[str] | None) -> sa.Select[Any]:
+    """One row per (task, attempt) acted on in the window, with the first time of each action.
+
+    ``task_ref`` is the task id in the task table's own type, so the joins to the task table use its key."""
+    a = _actions(engine, since, until, types, "pb_actions").c
+
+    def first(kind: str) -> sa.ColumnElement[Any]:
+        return sa.func.min(sa.case((a.kind == kind, a.at)))
+
+    return (
+        sa.select(
+            a.task_id, sa.cast(a.task_id, tt.col("id").type).label("task_ref"), a.attempt,
+            sa.func.max(a.workflow_type).label("workflow_type"),
+            first("poller").label("poller_at"), first("events").label("events_at"),
+            first("fallback").label("fallback_at"), first("decision").label("decision_at"),
+            sa.func.sum(sa.case((a.kind != "decision", 1), else_=0)).label("dispatches"),
+            sa.func.min(a.at).label("first_at"), sa.func.min(a.ready_at).label("ready_at"),
+        )
+        .group_by(a.task_id, a.attempt)
+    )
+
+
+def _dependency_violations(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
+                           types: Sequence[str] | None) -> sa.Subquery:
+    """Per (task, attempt) acted on before a dependency was done: the latest such dependency's completion
+    and how many dependencies are not completed (or do not exist).
+
+    Only violations come out of it, so the join back to the window's million rows is to a handful. It
+    reads the actions themselves rather than the window's first action per attempt: an attempt's first
+    action precedes a dependency's completion exactly when one of its actions does, and a statement over
+    the base tables alone may run in parallel where one over a temporary table may not."""
+    a = _actions(engine, since, until, types, "pb_dv_actions")
+    t = tt.tasks.alias("pb_dt")
+    dep = tt.tasks.alias("pb_dd")
+    completed = tt.col("completed_at", dep) if tt.has("completed_at") else sa.null()
+    not_done = sa.or_(tt.col("id", dep).is_(None), tt.col("status", dep) != tt.statuses.completed)
+    owner_ref = sa.cast(a.c.task_id, tt.col("id").type)
+    source: sa.FromClause
+    if tt.mapping.dependency_mode == "json":
+        column = tt.col("depends_on", t)
+        fn = (sa.func.json_array_elements_text(sa.cast(column, sa.JSON)) if tt.dialect_name == "postgresql"
+              else sa.func.json_each(column))
+        keys = fn.table_valued("value").alias("pb_dk")
+        source = (a.join(t, tt.col("id", t) == owner_ref).join(keys, sa.true())
+                  .outerjoin(dep, sa.and_(tt.col("instance_id", dep) == tt.col("instance_id", t),
+                                          tt.col("task_key", dep) == keys.c.value)))
+    else:
+        assert tt.edges is not None and tt.mapping.edges is not None
+        e = tt.edges.alias("pb_de")
+        source = (a.join(e, e.c[tt.mapping.edges.task_id] == owner_ref)
+                  .outerjoin(dep, tt.col("id", dep) == e.c[tt.mapping.edges.depends_on_id]))
+    violated = sa.or_(not_done, completed > a.c.at) if tt.has("completed_at") else not_done
+    return (
+        sa.select(a.c.task_id, _attempt_key(a.c.attempt).label("attempt_key"),
+                  sa.func.max(completed).label("deps_done_at"),
+                  sa.func.sum(sa.case((not_done, 1), else_=0)).label("unmet_deps"))
+        .select_from(source)
+        .where(violated)
+        .group_by(a.c.task_id, _attempt_key(a.c.attempt))
+        .subquery("pb_deps_violated")
+    )
+
+
+def facts_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, types: Sequence[str] | None,
+              spans: Sequence[PhaseSpan]) -> sa.Select[Any]:
+    """Layer one: the window's rows with the readiness facts re-derived from the task table (its signal,
+    its due time for the latest attempt, the dependencies that completed after it was acted on), how many
+    dependencies are still not completed, and the type's phase at the first action.
+
+    ``facts_ready`` is the readiness re-derived from those facts whenever the attempt was acted on before
+    it (``early``); otherwise its dependency part is left out (no dependency came later), which is all the
+    classification needs."""
+    per = window_sql(engine, tt, since, until, types).subquery("pb_per_task")
+    t = tt.tasks.alias("pb_task")
+    dv = _dependency_violations(engine, tt, since, until, types)
+    parts: list[sa.ColumnElement[Any]] = [dv.c.deps_done_at]
+    if tt.has("signal_received_at"):
+        parts.append(tt.col("signal_received_at", t))
+    if tt.has("due_at"):
+        # A retry may move the due time: it is a fact about the latest attempt only (the attempt counter
+        # is the dispatched attempt - 1 until a worker claims it, the attempt itself afterwards).
+        current = (per.c.attempt >= tt.col("attempts", t)) if tt.has("attempts") else sa.true()
+        parts.append(sa.case((current, tt.col("due_at", t))))
+    return (
+        sa.select(*[c for c in per.c if c.name != "task_ref"], greatest(tt.dialect_name, parts).label("facts_ready"),
+                  sa.func.coalesce(dv.c.unmet_deps, 0).label("unmet_deps"),
+                  _phase_at(engine, spans, per.c.workflow_type, per.c.first_at).label("phase"))
+        .select_from(per.outerjoin(t, tt.col("id", t) == per.c.task_ref)
+                     .outerjoin(dv, sa.and_(dv.c.task_id == per.c.task_id,
+                                            dv.c.attempt_key == _attempt_key(per.c.attempt))))
+    )
+
+
+def _attempt_key(attempt: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    # The attempt column is nullable (a dispatch recorded without one): NULL groups with NULL, and an
+    # equality join on the key stays a hash join (an IS NOT DISTINCT FROM would not).
+    return sa.func.coalesce(attempt, -1)
+
+
+def kinds_sql(engine: Engine, dialect_name: str, per: sa.FromClause, until: datetime, *, objective: float = 1.0,
+              tolerance: float = 10.0, control: bool = False) -> sa.Select[Any]:
+    """Layer two: each (task, attempt) of :func:`facts_sql` classified (see the module docstring), with its
+    path and latencies. ``control``: judge the legacy poller's own dispatches by the same rules
+    (``matched``, ``late``, ``early``, ``duplicate``), the noise floor before anyone blames the event path."""
+    c = per.c
+    d = dialect_name
+    event_at = c.poller_at if control else sa.func.coalesce(c.events_at, c.decision_at)
+    # ``late`` is judged on the recorded readiness (both paths record the same readiness SQL).
+    event_ms = millis_between(d, c.ready_at, event_at)
+    tolerance_ago = _tolerance_before(engine, until, tolerance)
+    safety: list[tuple[sa.ColumnElement[bool], str]] = [
+        (c.dispatches > 1, "duplicate"),
+        (sa.or_(c.unmet_deps > 0, sa.and_(c.facts_ready.is_not(None), c.first_at < c.facts_ready)), "early"),
+        (sa.and_(event_at.is_not(None), c.ready_at.is_not(None), event_ms > objective * 1000.0), "late"),
+    ]
+    if control:
+        kind = sa.case(*safety, (c.poller_at.is_not(None), "matched"), else_="events")
+    else:
+        kind = sa.case(
+            *safety,
+            (c.events_at.is_not(None), "matched"),
+            (sa.and_(c.decision_at.is_not(None), c.dispatches > 0), "matched"),
+            (c.decision_at.is_not(None), sa.case((c.decision_at >= tolerance_ago, "pending"), else_="extra")),
+            (c.fallback_at.is_not(None), "missing"),
+            (c.phase == "dual_write", "missing"),
+            else_="poller",
+        )
+    path = sa.case(
+        (c.events_at.is_not(None), "events"), (c.fallback_at.is_not(None), "fallback"),
+        (c.poller_at.is_not(None), "poller"), else_="decision",
+    )
+    action_at = sa.func.coalesce(c.events_at, c.fallback_at, c.poller_at, c.decision_at)
+    return sa.select(
+        c.task_id, c.attempt, c.workflow_type, kind.label("kind"), path.label("path"),
+        sa.type_coerce(millis_between(d, c.ready_at, c.poller_at), sa.Float).label("poller_ms"),
+        sa.type_coerce(millis_between(d, c.ready_at, sa.func.coalesce(c.events_at, c.decision_at)),
+                       sa.Float).label("events_ms"),
+        sa.type_coerce(millis_between(d, c.ready_at, c.fallback_at), sa.Float).label("fallback_ms"),
+        sa.type_coerce(millis_between(d, c.facts_ready, c.first_at), sa.Float).label("after_facts_ms"),
+        c.dispatches, c.phase, action_at.label("action_at"),
+    )
+
+
+def classify_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
+                 types: Sequence[str] | None = None, objective: float = 1.0, tolerance: float = 10.0,
+                 spans: Sequence[PhaseSpan] | None = None, control: bool = False) -> sa.Select[Any]:
+    """Every layer as one statement: each (task, attempt) acted on in the window, classified."""
+    spans = list(spans) if spans is not None else phase_spans(engine, types)
+    facts = facts_sql(engine, tt, since, until, types, spans).subquery("pb_facts")
+    return kinds_sql(engine, tt.dialect_name, facts, until, objective=objective, tolerance=tolerance, control=control)
+
+
+@contextmanager
+def classified(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
+               types: Sequence[str] | None = None, objective: float = 1.0, tolerance: float = 10.0,
+               spans: Sequence[PhaseSpan] | None = None, control: bool = False
+               ) -> Iterator[tuple[Connection, sa.TableClause]]:
+    """The classification materialized once in a temporary table, for the caller's queries on ``conn``.
+
+    One statement over the base tables (a temporary table per layer cost more in writing and reading its
+    rows than it saved, and a temporary table cannot be scanned by parallel workers), with PostgreSQL's
+    JIT off (its compile time exceeded the query's) and enough ``work_mem`` to hash instead of sorting on
+    disk."""
+    name = f"pb_rec_kinds_{uuid.uuid4().hex[:8]}"
+    with read_only(engine).connect() as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("SET LOCAL jit = off")
+            conn.exec_driver_sql("SET LOCAL work_mem = '256MB'")
+        try:
+            yield conn, _materialize(conn, name, classify_sql(engine, tt, since, until, types=types,
+                                                              objective=objective, tolerance=tolerance,
+                                                              spans=spans, control=control))
+        finally:
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+
+
+def _materialize(conn: Connection, name: str, select: sa.Select[Any]) -> sa.TableClause:
+    # Rendered with literal values: DDL takes no bound parameters. Every value is a timestamp, a number or
+    # a validated workflow type name, and the dialect's literal renderer quotes and escapes them.
+    compiled = select.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
+    conn.exec_driver_sql(f"CREATE TEMPORARY TABLE {name} AS {compiled}".replace("%", "%%")
+                         if conn.dialect.name == "postgresql" else f"CREATE TEMPORARY TABLE {name} AS {compiled}")
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"ANALYZE {name}")
+    return sa.table(name, *[sa.column(col.name, col.type) for col in select.selected_columns])
+
+
+def _tolerance_before(engine: Engine, until: datetime, tolerance: float) -> Any:
+    return bind_time(engine, until - timedelta(seconds=tolerance))
+
+
+def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float) -> sa.Select[Any]:
+    """Tasks ready now that no path dispatched: ``missing`` past the tolerance, else ``pending``."""
+    t = tt.tasks
+    src, workflow_type = tt.workflow_type_source(t)
+    since = ready_since(tt, t)
+    kind = sa.case((sa.and_(since.is_not(None), since < db_ago(tt.dialect_name, tolerance)), "missing"),
+                   else_="pending")
+    q = (sa.select(sa.cast(tt.col("id"), sa.String).label("task_id"), workflow_type.label("workflow_type"),
+                   kind.label("kind"), since.label("ready_at"),
+                   millis_between(tt.dialect_name, since, db_now(tt.dialect_name)).label("waiting_ms"))
+         .select_from(src).where(ready_predicate(tt, t)))
+    if types:
+        q = q.where(workflow_type.in_(list(types)))
+    return q
+
+
+def current_phases(conn: Any) -> dict[str, str]:
+    return {name: phase for name, phase in conn.execute(sa.select(flags.c.workflow_type, flags.c.phase)).all()}
+
+
+def count_by_type(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
+                  types: Sequence[str] | None = None, objective: float = 1.0,
+                  tolerance: float = 10.0, include_unacted: bool = True, control: bool = False,
+                  spans: Sequence[PhaseSpan] | None = None) -> dict[str, TypeCounts]:
+    """Per workflow type, how many tasks of each kind (see the module docstring) in the window.
+
+    Tasks ready now and not dispatched by anyone (``include_unacted``: only meaningful when the window
+    ends now) count for types whose phase today makes the event path responsible (anything but
+    ``polling``), or for every type with ``control`` (then the poller is the one judged)."""
+    with classified(engine, tt, since, until, types=types, objective=objective, tolerance=tolerance, spans=spans,
+                    control=control) as (conn, kinds):
+        return counts_from(conn, tt, kinds, types=types, tolerance=tolerance, include_unacted=include_unacted,
+                           control=control)
+
+
+def counts_from(conn: Connection, tt: TaskTable, kinds: sa.FromClause, *, types: Sequence[str] | None,
+                tolerance: float, include_unacted: bool, control: bool) -> dict[str, TypeCounts]:
+    grouped = sa.select(kinds.c.workflow_type, kinds.c.kind, sa.func.count()).group_by(
+        kinds.c.workflow_type, kinds.c.kind)
+    out: dict[str, dict[str, int]] = {}
+    for workflow_type, kind, n in conn.execute(grouped):
+        out.setdefault(workflow_type or "", {})[kind] = int(n)
+    if include_unacted:
+        add_unacted(conn, tt, out, types=types, tolerance=tolerance, control=control)
+    return {name: TypeCounts(name, counts) for name, counts in sorted(out.items())}
+
+
+def add_unacted(conn: Connection, tt: TaskTable, out: dict[str, dict[str, int]], *, types: Sequence[str] | None,
+                tolerance: float, control: bool) -> None:
+    """Add to ``out`` (type -> kind -> count) the tasks ready now that no path dispatched (see
+    :func:`count_by_type`)."""
+    phases = current_phases(conn)
+    unacted = unacted_sql(tt, types, tolerance).subquery()
+    for workflow_type, kind, n in conn.execute(
+            sa.select(unacted.c.workflow_type, unacted.c.kind, sa.func.count())
+            .group_by(unacted.c.workflow_type, unacted.c.kind)):
+        if not control and phases.get(workflow_type, "polling") == "polling":
+            continue
+        bucket = out.setdefault(workflow_type or "", {})
+        bucket[kind] = bucket.get(kind, 0) + int(n)
+
+
+PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
+
+
+def latency_by_type(conn: Connection, kinds: sa.FromClause) -> dict[str, dict[str, dict[str, float | int]]]:
+    """Nearest-rank p50/p90/p99/max and n of ready -> action per type and path, computed in SQL (window
+    functions, on both dialects): ``{type: {"poller"|"events"|"fallback": {"p50", ..., "max", "n"}}}``."""
+    c = kinds.c
+    parts = [sa.select(c.workflow_type, sa.literal(name).label("path"), column.label("ms")).where(column.is_not(None))
+             for name, column in (("poller", c.poller_ms), ("events", c.events_ms), ("fallback", c.fallback_ms))]
+    lat = sa.union_all(*parts).subquery("pb_lat")
+    if conn.dialect.name == "postgresql":
+        # One in-memory sort per group instead of a window over every row: several times faster at a
+        # million rows, and percentile_disc(f) is the nearest rank ceil(f * n) too.
+        fractions = sa.literal([q / 100 for _, q in PERCENTILES], sa.ARRAY(sa.Float))
+        pcts = sa.func.percentile_disc(fractions).within_group(lat.c.ms)
+        q = (sa.select(lat.c.workflow_type, lat.c.path, pcts.label("pcts"), sa.func.max(lat.c.ms).label("max"),
+                       sa.func.count().label("n")).group_by(lat.c.workflow_type, lat.c.path))
+        rows = [(row.workflow_type, row.path, dict(zip((name for name, _ in PERCENTILES), row.pcts, strict=True)),
+                 row.max, row.n) for row in conn.execute(q)]
+    else:
+        ranked = sa.select(
+            lat.c.workflow_type, lat.c.path, lat.c.ms,
+            sa.func.row_number().over(partition_by=(lat.c.workflow_type, lat.c.path), order_by=lat.c.ms).label("rn"),
+            sa.func.count().over(partition_by=(lat.c.workflow_type, lat.c.path)).label("n"),
+        ).subquery("pb_ranked")
+        r = ranked.c
+        # Nearest rank ceil(q * n / 100) in integer arithmetic: SQLite has no ceil() everywhere.
+        cols = [sa.func.max(sa.case((r.rn == (q * r.n + 99) // 100, r.ms))).label(name) for name, q in PERCENTILES]
+        q = sa.select(r.workflow_type, r.path, *cols, sa.func.max(r.ms).label("max"), sa.func.max(r.n).label("n")) \
+            .group_by(r.workflow_type, r.path)
+        rows = [(row.workflow_type, row.path, {name: getattr(row, name) for name, _ in PERCENTILES}, row.max, row.n)
+                for row in conn.execute(q)]
+    out: dict[str, dict[str, dict[str, float | int]]] = {}
+    for workflow_type, path, pct, top, n in rows:
+        stats: dict[str, float | int] = {name: round(float(pct[name]), 3) for name, _ in PERCENTILES}
+        stats["max"] = round(float(top), 3)
+        stats["n"] = int(n)
+        out.setdefault(workflow_type or "", {})[path] = stats
+    return out

@@ -1,0 +1,798 @@
+"""``pollbridge explain TASK_ID``: one task's whole story across both paths, and why it was (not yet) triggered.
+
+:func:`explain_task` gathers, for one row of the task table (always through the mapping):
+
+* **the task**: status (stored and logical), attempts, its timestamps;
+* **readiness facts**: every dependency with its status and completion time (a dependency on a key
+  that does not exist is reported as ``missing``, and blocks, as it does for both paths), the due time
+  and whether it passed on the database clock, the awaited signal and when it arrived, with every
+  signal recorded in ``pollbridge_signals``; whether the shared readiness SQL finds it ready now and
+  since when;
+* **the outbox events** of the task (event id, change, old/new status, trace id, created/published
+  times, relay partition) and, where the bus can tell, their **delivery** to the scheduler's consumer
+  group: ``unpublished``, ``undelivered`` (on the bus, not read yet), ``pending`` (delivered, not
+  acknowledged), ``acknowledged``, ``dead_lettered`` or ``unknown`` (with why). The look-ups are
+  bounded: only the latest :data:`DELIVERY_LOOKUPS` events, and on Redis only the
+  :data:`REDIS_SCAN` stream entries from just before the event was published;
+* **shadow decisions** of the event path (``pollbridge_decisions``) and **every dispatch** (path,
+  ready time, dispatch time, latency, trace id and the captured change that trace id came from, which
+  may be another task's change of the same instance: the scheduler handles an instance's events as one
+  batch), each with the phase the type was in at that moment
+  (from the audit trail, :func:`bridge.reconcile.classify.phase_spans`), the current flag and the routes it
+  gives this instance;
+* **the answer**: a code and one sentence (:class:`Answer`).
+
+Answer codes (stable): ``dispatched``, ``completed``, ``failed_terminal``, ``rejected``,
+``failed_retrying``, ``held_for_review``, ``waiting_dependency``, ``not_due``, ``awaiting_signal``,
+``not_ready``, ``ready_not_dispatched``, ``unknown_status``. An unknown task id raises
+:class:`UnknownTask` (exit 2). The JSON shape is :meth:`Explanation.to_json`, documented in
+``docs/observe.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from bridge.bus.base import EventBus, partition_for
+from bridge.core.errors import FlagStoreUnavailable, PollbridgeError, first_line
+from bridge.core.phases import Flag
+from bridge.core.settings import SchedulerSettings
+from bridge.db.clock import as_utc
+from bridge.db.engine import db_now, read_only
+from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending, decisions, dispatch_log, outbox, signals
+from bridge.flags.store import FlagStore, describe
+from bridge.reconcile.classify import PhaseSpan, phase_spans
+from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.tables import TaskTable
+
+#: Outbox events listed per task (the most recent ones).
+MAX_EVENTS = 100
+#: Events whose delivery is looked up on the bus (the most recent ones); the others say "not looked up".
+DELIVERY_LOOKUPS = 10
+#: Redis: stream entries read, from just before an event's publish time, to find its entry.
+REDIS_SCAN = 1000
+#: Redis: how far before the recorded publish time the scan starts (database and Redis clocks differ a little).
+REDIS_CLOCK_MARGIN_MS = 1000
+
+ANSWER_CODES = ("dispatched", "completed", "failed_terminal", "rejected", "failed_retrying", "held_for_review",
+                "waiting_dependency", "not_due", "awaiting_signal", "not_ready", "ready_not_dispatched",
+                "unknown_status")
+DELIVERY_STATES = ("unpublished", "undelivered", "pending", "acknowledged", "dead_lettered", "unknown")
+
+PATH_NAMES = {"poller": "the legacy poller", "events": "the event path", "fallback": "the poller's fallback"}
+
+
+class UnknownTask(PollbridgeError):
+    """No such task in the task table (or an id that cannot be one). Bad input: exit 2."""
+
+    exit_code = 2
+
+
+# --- the result ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dependency:
+    key: str
+    task_id: str | None  # None: no task with that key (a missing dependency blocks)
+    status: str | None
+    logical_status: str | None
+    completed_at: datetime | None
+    met: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "task_id": self.task_id, "status": self.status,
+                "logical_status": self.logical_status, "completed_at": _iso(self.completed_at), "met": self.met}
+
+
+@dataclass(frozen=True)
+class SignalRecord:
+    kind: str
+    actor: str | None
+    received_at: datetime | None
+    payload: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "actor": self.actor, "received_at": _iso(self.received_at), "payload": self.payload}
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready_now: bool
+    ready_since: datetime | None
+    checked_at: datetime
+    dependencies: tuple[Dependency, ...]
+    due_at: datetime | None
+    due: bool | None  # None: no due time
+    awaits_signal: str | None
+    signal_received_at: datetime | None
+    signals: tuple[SignalRecord, ...]
+
+    @property
+    def unmet(self) -> list[Dependency]:
+        return [d for d in self.dependencies if not d.met]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ready_now": self.ready_now, "ready_since": _iso(self.ready_since), "checked_at": _iso(self.checked_at),
+                "dependencies": [d.to_json() for d in self.dependencies], "due_at": _iso(self.due_at), "due": self.due,
+                "awaits_signal": self.awaits_signal, "signal_received_at": _iso(self.signal_received_at),
+                "signals": [s.to_json() for s in self.signals]}
+
+
+@dataclass(frozen=True)
+class DeliveryState:
+    state: str  # one of DELIVERY_STATES
+    partition: int | None = None
+    entry_id: str | None = None
+    deliveries: int | None = None
+    consumer: str | None = None
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state, "partition": self.partition, "entry_id": self.entry_id,
+                "deliveries": self.deliveries, "consumer": self.consumer, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class OutboxEvent:
+    event_id: str
+    change: str
+    old_status: str | None
+    new_status: str | None
+    trace_id: str | None
+    created_at: datetime | None
+    published_at: datetime | None
+    relay_partition: int
+    delivery: DeliveryState
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event_id": self.event_id, "change": self.change, "old_status": self.old_status,
+                "new_status": self.new_status, "trace_id": self.trace_id, "created_at": _iso(self.created_at),
+                "published_at": _iso(self.published_at), "relay_partition": self.relay_partition,
+                "delivery": self.delivery.to_json()}
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """The captured change whose trace id a decision or dispatch carries. The scheduler handles a batch of
+    events per instance, so this may be a change of another task of the same instance."""
+
+    event_id: str
+    task_id: str | None
+    task_key: str | None
+    change: str
+    new_status: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event_id": self.event_id, "task_id": self.task_id, "task_key": self.task_key, "change": self.change,
+                "new_status": self.new_status}
+
+
+def _trace_json(value: TraceEvent | None) -> dict[str, Any] | None:
+    return value.to_json() if value is not None else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    attempt: int | None
+    ready_at: datetime | None
+    decided_at: datetime | None
+    latency_ms: float | None
+    trace_id: str | None
+    phase: str
+    trace_event: TraceEvent | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "ready_at": _iso(self.ready_at), "decided_at": _iso(self.decided_at),
+                "latency_ms": _ms(self.latency_ms), "trace_id": self.trace_id, "phase": self.phase,
+                "trace_event": _trace_json(self.trace_event)}
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    attempt: int | None
+    path: str
+    ready_at: datetime | None
+    dispatched_at: datetime | None
+    latency_ms: float | None
+    trace_id: str | None
+    phase: str
+    trace_event: TraceEvent | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "path": self.path, "ready_at": _iso(self.ready_at),
+                "dispatched_at": _iso(self.dispatched_at), "latency_ms": _ms(self.latency_ms),
+                "trace_id": self.trace_id, "phase": self.phase, "trace_event": _trace_json(self.trace_event)}
+
+
+@dataclass(frozen=True)
+class FlagView:
+    """The type's flag now, and the routes it gives this task's instance."""
+
+    phase: str
+    percent: float | None
+    grace_seconds: float
+    event_route: str
+    poller_route: str
+    source: str  # 'flag' (a stored row), 'default' (no row: polling) or 'unavailable' (store unreadable)
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "percent": self.percent, "grace_seconds": self.grace_seconds,
+                "event_route": self.event_route, "poller_route": self.poller_route, "source": self.source,
+                "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Answer:
+    code: str  # one of ANSWER_CODES
+    sentence: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "sentence": self.sentence}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    task_id: str
+    instance_id: str
+    task_key: str
+    workflow_type: str | None
+    status: str
+    logical_status: str | None
+    attempts: int | None
+    max_attempts: int | None
+    dispatched_at: datetime | None
+    completed_at: datetime | None
+    updated_at: datetime | None
+    readiness: Readiness
+    events: tuple[OutboxEvent, ...]
+    events_truncated: bool
+    decisions: tuple[Decision, ...]
+    dispatches: tuple[Dispatch, ...]
+    flag: FlagView
+    phases: tuple[PhaseSpan, ...]
+    answer: Answer
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "task": {"id": self.task_id, "instance_id": self.instance_id, "task_key": self.task_key,
+                     "workflow_type": self.workflow_type, "status": self.status,
+                     "logical_status": self.logical_status, "attempts": self.attempts,
+                     "max_attempts": self.max_attempts, "dispatched_at": _iso(self.dispatched_at),
+                     "completed_at": _iso(self.completed_at), "updated_at": _iso(self.updated_at)},
+            "readiness": self.readiness.to_json(),
+            "events": [e.to_json() for e in self.events],
+            "events_truncated": self.events_truncated,
+            "decisions": [d.to_json() for d in self.decisions],
+            "dispatches": [d.to_json() for d in self.dispatches],
+            "flag": self.flag.to_json(),
+            "phases": [{"phase": s.phase, "since": _iso(s.since), "until": _iso(s.until)} for s in self.phases],
+            "answer": self.answer.to_json(),
+        }
+
+
+# --- gathering -------------------------------------------------------------------------------------------
+
+def explain_task(engine: Engine, tt: TaskTable, task_id: str, *, bus: EventBus | None = None,
+                 bus_error: str | None = None, group: str = SchedulerSettings().group,
+                 store: FlagStore | None = None) -> Explanation:
+    """The story of ``task_id`` (see the module docstring). Raises :class:`UnknownTask` for an unknown id.
+
+    ``bus`` is optional: without one (or when it fails) every delivery is ``unknown`` with ``bus_error``
+    or the failure as the reason; everything else comes from the database."""
+    key = _task_key(tt, task_id)
+    reader = read_only(engine)
+    with reader.connect() as conn:
+        row = _task_row(conn, tt, key)
+        if row is None:
+            raise UnknownTask(f"no task {task_id!r} in {_table_name(tt)}; check the id "
+                              f"(the {tt.mapping.columns.id!r} column of the task table)")
+        task_text = str(row.pb_id)
+        checked_at = as_utc(row.pb_now) or datetime.now(UTC)
+        deps = _dependencies(conn, tt, row)
+        sigs = tuple(SignalRecord(r.kind, r.actor, as_utc(r.received_at), r.payload) for r in conn.execute(
+            sa.select(signals).where(signals.c.task_id == task_text).order_by(signals.c.id)))
+        decision_rows = conn.execute(sa.select(decisions).where(decisions.c.task_id == task_text)
+                                     .order_by(decisions.c.id)).all()
+        dispatch_rows = conn.execute(sa.select(dispatch_log).where(dispatch_log.c.task_id == task_text)
+                                     .order_by(dispatch_log.c.id)).all()
+        event_rows = conn.execute(sa.select(outbox).where(outbox.c.task_id == task_text)
+                                  .order_by(outbox.c.id.desc()).limit(MAX_EVENTS + 1)).all()
+        traces = sorted({r.trace_id for r in (*decision_rows, *dispatch_rows) if r.trace_id}
+                        - {r.trace_id for r in event_rows})
+        traced = {r.trace_id: TraceEvent(r.event_id, r.task_id, r.task_key, r.change, r.new_status)
+                  for r in event_rows}
+        if traces:  # a trace of another task's change of the same instance (the scheduler batches per instance)
+            for r in conn.execute(sa.select(outbox).where(outbox.c.instance_id == str(row.pb_instance),
+                                                          outbox.c.trace_id.in_(traces))):
+                traced.setdefault(r.trace_id, TraceEvent(r.event_id, r.task_id, r.task_key, r.change, r.new_status))
+        conn.rollback()
+
+    workflow_type = None if row.pb_type is None else str(row.pb_type)
+    instance_id = str(row.pb_instance)
+    due_at = as_utc(row.pb_due_at) if tt.has("due_at") else None
+    readiness = Readiness(
+        ready_now=bool(row.pb_ready), ready_since=as_utc(row.pb_ready_since) if row.pb_ready else None,
+        checked_at=checked_at,
+        dependencies=deps, due_at=due_at, due=None if due_at is None else due_at <= checked_at,
+        awaits_signal=row.pb_awaits if tt.has("awaits_signal") else None,
+        signal_received_at=as_utc(row.pb_signal_at) if tt.has("signal_received_at") else None, signals=sigs)
+
+    spans = tuple(s for s in phase_spans(engine, [workflow_type]) if s.workflow_type == workflow_type) \
+        if workflow_type is not None else ()
+    truncated = len(event_rows) > MAX_EVENTS
+    event_rows = list(reversed(event_rows[:MAX_EVENTS]))
+    deliveries = _deliveries(engine, bus, bus_error, group, instance_id, event_rows)
+    events = tuple(OutboxEvent(r.event_id, r.change, r.old_status, r.new_status, r.trace_id, as_utc(r.created_at),
+                               as_utc(r.published_at), int(r.relay_partition), deliveries[r.event_id])
+                   for r in event_rows)
+    decs = tuple(Decision(r.attempt, as_utc(r.ready_at), as_utc(r.decided_at), _latency(r.ready_at, r.decided_at),
+                          r.trace_id, phase_at(spans, as_utc(r.decided_at)), traced.get(r.trace_id))
+                 for r in decision_rows)
+    disps = tuple(Dispatch(r.attempt, r.path, as_utc(r.ready_at), as_utc(r.dispatched_at),
+                           _latency(r.ready_at, r.dispatched_at), r.trace_id, phase_at(spans, as_utc(r.dispatched_at)),
+                           traced.get(r.trace_id)) for r in dispatch_rows)
+    flag = _flag_view(store if store is not None else FlagStore(engine), workflow_type, instance_id)
+
+    status = str(row.pb_status)
+    partial = Explanation(
+        task_id=task_text, instance_id=instance_id, task_key=str(row.pb_key), workflow_type=workflow_type,
+        status=status, logical_status=tt.statuses.logical(status),
+        attempts=_int(row.pb_attempts) if tt.has("attempts") else None,
+        max_attempts=_int(row.pb_max_attempts) if tt.has("max_attempts") else None,
+        dispatched_at=as_utc(row.pb_dispatched_at) if tt.has("dispatched_at") else None,
+        completed_at=as_utc(row.pb_completed_at) if tt.has("completed_at") else None,
+        updated_at=as_utc(row.pb_updated_at) if tt.has("updated_at") else None,
+        readiness=readiness, events=events, events_truncated=truncated, decisions=decs, dispatches=disps,
+        flag=flag, phases=spans, answer=Answer("unknown_status", ""))
+    return _with_answer(partial)
+
+
+def phase_at(spans: Sequence[PhaseSpan], at: datetime | None) -> str:
+    """The phase in force at ``at`` according to the audit trail's spans (``polling`` without any)."""
+    if at is None:
+        return spans[-1].phase if spans else "polling"
+    for span in spans:
+        if (span.since is None or at >= span.since) and (span.until is None or at < span.until):
+            return span.phase
+    return "polling"
+
+
+def _task_key(tt: TaskTable, raw: str) -> Any:
+    """The id as the id column's Python type; an id that cannot be one (not plain digits for an integer
+    id, or past the column's range) is an unknown task."""
+    from bridge.tasktable.tables import parse_task_id
+
+    try:
+        python_type = tt.col("id").type.python_type
+    except NotImplementedError:
+        return raw
+    try:
+        return parse_task_id(tt, raw, ValueError)
+    except ValueError:
+        raise UnknownTask(f"no task {raw!r} in {_table_name(tt)}: {tt.mapping.columns.id!r} holds "
+                          f"{python_type.__name__} values") from None
+
+
+def _table_name(tt: TaskTable) -> str:
+    return f"{tt.mapping.schema}.{tt.mapping.table}" if tt.mapping.schema else tt.mapping.table
+
+
+def _task_row(conn: Connection, tt: TaskTable, key: Any) -> Any:
+    t = tt.tasks
+    src, type_expr = tt.workflow_type_source(t)
+
+    def opt(logical: str, label: str) -> sa.ColumnElement[Any]:
+        return tt.col(logical, t).label(label) if tt.has(logical) else sa.null().label(label)
+
+    q = (sa.select(
+        tt.col("id", t).label("pb_id"), tt.col("instance_id", t).label("pb_instance"),
+        tt.col("task_key", t).label("pb_key"), tt.col("status", t).label("pb_status"),
+        type_expr.label("pb_type"),
+        opt("depends_on", "pb_depends_on"), opt("due_at", "pb_due_at"), opt("awaits_signal", "pb_awaits"),
+        opt("signal_received_at", "pb_signal_at"), opt("attempts", "pb_attempts"),
+        opt("max_attempts", "pb_max_attempts"), opt("dispatched_at", "pb_dispatched_at"),
+        opt("completed_at", "pb_completed_at"), opt("updated_at", "pb_updated_at"),
+        sa.case((ready_predicate(tt, t), 1), else_=0).label("pb_ready"),
+        ready_since(tt, t).label("pb_ready_since"),
+        db_now(tt.dialect_name).label("pb_now"),  # SQLite: text, parsed by _utc
+    ).select_from(src).where(tt.col("id", t) == key))
+    return conn.execute(q).first()
+
+
+def _dependencies(conn: Connection, tt: TaskTable, row: Any) -> tuple[Dependency, ...]:
+    completed = tt.statuses.completed
+    dep = tt.tasks.alias("pb_explain_dep")
+    completed_col = tt.col("completed_at", dep).label("completed_at") if tt.has("completed_at") \
+        else sa.null().label("completed_at")
+    out: list[Dependency] = []
+    if tt.mapping.dependency_mode == "json":
+        keys = _json_keys(row.pb_depends_on)
+        if not keys:
+            return ()
+        found = {str(r.task_key): r for r in conn.execute(
+            sa.select(tt.col("id", dep).label("id"), tt.col("task_key", dep).label("task_key"),
+                      tt.col("status", dep).label("status"), completed_col)
+            .where(tt.col("instance_id", dep) == row.pb_instance, tt.col("task_key", dep).in_(keys)))}
+        for k in keys:
+            r = found.get(k)
+            if r is None:
+                out.append(Dependency(k, None, None, None, None, False))
+            else:
+                out.append(Dependency(k, str(r.id), str(r.status), tt.statuses.logical(str(r.status)),
+                                      as_utc(r.completed_at), r.status == completed))
+        return tuple(out)
+    assert tt.edges is not None and tt.mapping.edges is not None
+    e = tt.edges
+    edge_dep = e.c[tt.mapping.edges.depends_on_id]
+    q = (sa.select(edge_dep.label("dep_id"), tt.col("id", dep).label("id"), tt.col("task_key", dep).label("task_key"),
+                   tt.col("status", dep).label("status"), completed_col)
+         .select_from(e.outerjoin(dep, tt.col("id", dep) == edge_dep))
+         .where(e.c[tt.mapping.edges.task_id] == row.pb_id).order_by(edge_dep))
+    for edge in conn.execute(q):
+        if edge.id is None:
+            out.append(Dependency(f"#{edge.dep_id}", None, None, None, None, False))
+        else:
+            out.append(Dependency(str(edge.task_key), str(edge.id), str(edge.status),
+                                  tt.statuses.logical(str(edge.status)), as_utc(edge.completed_at),
+                                  edge.status == completed))
+    return tuple(out)
+
+
+def _json_keys(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str | bytes):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return []
+    if not isinstance(value, list):
+        return []
+    return [str(v) for v in value]
+
+
+def _flag_view(store: FlagStore, workflow_type: str | None, instance_id: str) -> FlagView:
+    try:
+        stored = store.all()
+    except FlagStoreUnavailable as exc:
+        flag = Flag(workflow_type or "", grace_seconds=store.default_grace)
+        return FlagView("polling", None, flag.grace_seconds, flag.event_route(instance_id),
+                        flag.poller_route(instance_id), "unavailable",
+                        f"{exc}; pollers treat every type as polling until it can be read")
+    found = stored.get(workflow_type or "")
+    flag = found or Flag(workflow_type or "", grace_seconds=store.default_grace)
+    return FlagView(flag.phase, flag.percent, flag.grace_seconds, flag.event_route(instance_id),
+                    flag.poller_route(instance_id), "flag" if found is not None else "default",
+                    describe(flag) if found is not None else "no flag: polling")
+
+
+# --- delivery ---------------------------------------------------------------------------------------------
+
+def _deliveries(engine: Engine, bus: EventBus | None, bus_error: str | None, group: str, instance_id: str,
+                rows: Sequence[Any]) -> dict[str, DeliveryState]:
+    out: dict[str, DeliveryState] = {}
+    published = [r for r in rows if r.published_at is not None]
+    lookup = {r.event_id for r in published[-DELIVERY_LOOKUPS:]}
+    for r in rows:
+        if r.published_at is None:
+            out[r.event_id] = DeliveryState("unpublished", detail="in the outbox, not yet published by the relay")
+        elif r.event_id not in lookup:
+            out[r.event_id] = DeliveryState("unknown", detail=f"not looked up (only the latest {DELIVERY_LOOKUPS} "
+                                                              "published events are)")
+    wanted = [r for r in published if r.event_id in lookup]
+    if not wanted:
+        return out
+    if bus is None:
+        reason = bus_error or "no bus given"
+        out.update({r.event_id: DeliveryState("unknown", detail=reason) for r in wanted})
+        return out
+    partition = partition_for(instance_id, bus.partitions)
+    try:
+        from bridge.bus.embedded import EmbeddedBus
+        from bridge.bus.redis_streams import RedisStreamsBus
+
+        if isinstance(bus, EmbeddedBus):
+            out.update(_embedded_deliveries(bus.engine, group, partition, wanted))
+        elif isinstance(bus, RedisStreamsBus):
+            out.update(_redis_deliveries(bus, group, partition, wanted))
+        else:
+            out.update({r.event_id: DeliveryState("unknown", partition, detail=f"{type(bus).__name__} cannot tell")
+                        for r in wanted})
+    except Exception as exc:  # an unreachable bus only makes delivery unknown
+        out.update({r.event_id: DeliveryState("unknown", partition, detail=f"bus unreachable: {first_line(exc)}")
+                    for r in wanted})
+    return out
+
+
+def _embedded_deliveries(engine: Engine, group: str, partition: int, rows: Sequence[Any]) -> dict[str, DeliveryState]:
+    ids = [str(r.event_id)[:36] for r in rows]
+    with read_only(engine).connect() as conn:
+        entries = {str(e.event_id): int(e.id) for e in conn.execute(
+            sa.select(bus_log.c.id, bus_log.c.event_id)
+            .where(bus_log.c.partition == partition, bus_log.c.event_id.in_(ids)))}
+        offset = conn.execute(sa.select(bus_groups.c.last_delivered_id).where(
+            bus_groups.c.group_name == group, bus_groups.c.partition == partition)).scalar()
+        entry_ids = list(entries.values())
+        pending = {int(p.entry_id): p for p in conn.execute(
+            sa.select(bus_pending).where(bus_pending.c.group_name == group,
+                                         bus_pending.c.entry_id.in_(entry_ids)))} if entry_ids else {}
+        dead = {str(d.entry_id) for d in conn.execute(
+            sa.select(bus_dead.c.entry_id).where(bus_dead.c.group_name == group, bus_dead.c.partition == partition,
+                                                 bus_dead.c.entry_id.in_([str(i) for i in entry_ids])))} \
+            if entry_ids else set()
+        conn.rollback()
+    out: dict[str, DeliveryState] = {}
+    for r in rows:
+        entry = entries.get(str(r.event_id)[:36])
+        if entry is None:
+            out[r.event_id] = DeliveryState(
+                "unknown", partition, detail="not in the embedded bus log (trimmed after retention, or published "
+                                             "before a change of bus.partitions)")
+            continue
+        out[r.event_id] = _state(str(entry), partition, group,
+                                 delivered=offset is not None and entry <= int(offset),
+                                 pending=pending.get(entry), dead=str(entry) in dead)
+    return out
+
+
+def _state(entry: str, partition: int, group: str, *, delivered: bool, pending: Any, dead: bool) -> DeliveryState:
+    if dead:
+        return DeliveryState("dead_lettered", partition, entry, detail=f"dead-lettered by group {group} "
+                                                                       "(see `pollbridge dlq list`)")
+    if pending is not None:
+        return DeliveryState("pending", partition, entry, int(pending.deliveries), str(pending.consumer),
+                             f"delivered to {pending.consumer} of group {group}, not acknowledged")
+    if delivered:
+        return DeliveryState("acknowledged", partition, entry, detail=f"delivered to group {group} and acknowledged")
+    return DeliveryState("undelivered", partition, entry, detail=f"on the bus, not yet read by group {group}")
+
+
+def _redis_deliveries(bus: Any, group: str, partition: int, rows: Sequence[Any]) -> dict[str, DeliveryState]:
+    client = bus.client
+    stream = bus.keys.stream(partition)
+    out: dict[str, DeliveryState] = {}
+    last_delivered: tuple[int, int] | None = None
+    for info in client.xinfo_groups(stream) if client.exists(stream) else []:
+        fields = {_text(k): v for k, v in info.items()}
+        if _text(fields.get("name")) == group:
+            last_delivered = _stream_id(fields.get("last-delivered-id", "0-0"))
+    for r in rows:
+        published = as_utc(r.published_at)
+        assert published is not None
+        start_ms = max(0, int(published.timestamp() * 1000) - REDIS_CLOCK_MARGIN_MS)
+        entry = None
+        for entry_id, fields in client.xrange(stream, min=f"{start_ms}-0", max="+", count=REDIS_SCAN):
+            f = {_text(k): v for k, v in (fields or {}).items()}
+            if _text(f.get("id", b"")) == r.event_id:
+                entry = _text(entry_id)
+                break
+        if entry is None:
+            out[r.event_id] = DeliveryState(
+                "unknown", partition, detail=f"not among the {REDIS_SCAN} entries of {stream} from its publish time "
+                                             "(trimmed, the bus lost its data, or the clocks disagree)")
+            continue
+        pending = None
+        for p in client.xpending_range(stream, group, min=entry, max=entry, count=1) if last_delivered else []:
+            pending = _Pending(_text(p["consumer"]), int(p["times_delivered"]))
+        dead = False
+        if pending is None:
+            for _id, fields in client.xrevrange(bus.keys.dead, max="+", min="-", count=200):
+                f = {_text(k): _text(v) for k, v in (fields or {}).items() if _text(k) != "payload"}
+                if f.get("entry_id") == entry and f.get("partition") == str(partition) and f.get("group") == group:
+                    dead = True
+                    break
+        delivered = last_delivered is not None and _stream_id(entry) <= last_delivered
+        out[r.event_id] = _state(entry, partition, group, delivered=delivered, pending=pending, dead=dead)
+    return out
+
+
+@dataclass(frozen=True)
+class _Pending:
+    consumer: str
+    deliveries: int
+
+
+def _stream_id(value: Any) -> tuple[int, int]:
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
+
+
+# --- the answer -------------------------------------------------------------------------------------------
+
+def _with_answer(x: Explanation) -> Explanation:
+    return replace(x, answer=answer_for(x))
+
+
+def answer_for(x: Explanation) -> Answer:
+    """The one-sentence answer to "why was this task (not yet) triggered?"."""
+    name = f"Task {x.task_id} ({x.task_key} of instance {x.instance_id}"
+    name += f", type {x.workflow_type})" if x.workflow_type else ")"
+    logical = x.logical_status
+    last = x.dispatches[-1] if x.dispatches else None
+    if logical == "completed":
+        how = f"; {_dispatch_clause(x, last)}" if last is not None else "; pollbridge recorded no dispatch of it"
+        return Answer("completed", f"{name} completed at {_fmt(x.completed_at)}{how}.")
+    if logical in ("dispatched", "running"):
+        if last is None:
+            return Answer("dispatched", f"{name} is {x.status} since {_fmt(x.dispatched_at)}, dispatched by a "
+                                        "dispatcher pollbridge did not record (no row in pollbridge_dispatch_log).")
+        state = "running" if logical == "running" else f"waiting for a worker (status {x.status})"
+        return Answer("dispatched", f"{name} was {_dispatch_clause(x, last)}; it is now {state}.")
+    if logical == "failed":
+        return _failed(x, name)
+    if logical == "review":
+        return Answer("held_for_review", f"{name} is held for review (status {x.status}): the depth guard stopped its "
+                                         "instance after too many dispatches; a person must look at it.")
+    if logical == "pending":
+        return _pending(x, name)
+    return Answer("unknown_status", f"{name} has status {x.status!r}, which the mapping does not know; "
+                                    "neither path dispatches it.")
+
+
+def _path_name(path: str, phase: str) -> str:
+    if path == "fallback":
+        return "the safety sweep (an event-path miss)" if phase == "cutover" \
+            else "the poller's fallback (an event-path miss)"
+    return PATH_NAMES.get(path, f"path {path}")
+
+
+def _dispatch_clause(x: Explanation, d: Dispatch) -> str:
+    text = f"dispatched by {_path_name(d.path, d.phase)} at {_fmt(d.dispatched_at)}"
+    if d.latency_ms is None:
+        text += " (its ready time was not recorded)"
+    elif d.latency_ms < 0:
+        text += f", {_fmt_ms(-d.latency_ms)} BEFORE it became ready (an early dispatch: a safety violation)"
+    else:
+        text += f", {_fmt_ms(d.latency_ms)} after it became ready"
+    text += f", while the type was in phase {d.phase}"
+    if len(x.dispatches) > 1:
+        text += f" (dispatch {len(x.dispatches)} of the task)"
+    return text
+
+
+def _failed(x: Explanation, name: str) -> Answer:
+    rejection = next((s for s in reversed(x.readiness.signals) if s.kind == "rejection"), None)
+    if rejection is not None:
+        who = f" by {rejection.actor}" if rejection.actor else ""
+        return Answer("rejected", f"{name} was rejected{who} at {_fmt(rejection.received_at)} and failed for good; "
+                                  "no path will dispatch it.")
+    if x.attempts is None or x.max_attempts is None:
+        return Answer("failed_terminal", f"{name} failed at {_fmt(x.completed_at)}; the mapping has no attempts "
+                                         "columns, so pollbridge does not retry it.")
+    if x.attempts >= x.max_attempts:
+        return Answer("failed_terminal", f"{name} failed terminally at {_fmt(x.completed_at)} after {x.attempts} of "
+                                         f"{x.max_attempts} attempts; no path will dispatch it again.")
+    owner = ("the event path re-pends it after its backoff" if x.flag.poller_route in ("fallback", "sweep")
+             else "the legacy poller re-pends it at its next scan")
+    return Answer("failed_retrying", f"{name} failed on attempt {x.attempts} of {x.max_attempts} and waits for its "
+                                     f"retry: {owner} (type in phase {_phase_text(x.flag)}).")
+
+
+def _pending(x: Explanation, name: str) -> Answer:
+    r = x.readiness
+    if not r.ready_now:
+        blockers: list[tuple[str, str]] = []
+        unmet = r.unmet
+        if unmet:
+            parts = [f"{d.key} (missing: no such task in the instance)" if d.task_id is None
+                     else f"{d.key} (status {d.status})" for d in unmet]
+            word = "dependency" if len(unmet) == 1 else "dependencies"
+            blockers.append(("waiting_dependency", f"waiting for {word} {', '.join(parts)}"))
+        if r.due is False and r.due_at is not None:
+            seconds = (r.due_at - r.checked_at).total_seconds()
+            blockers.append(("not_due", f"due at {_fmt(r.due_at)} (in {_fmt_seconds(seconds)})"))
+        if r.awaits_signal is not None and r.signal_received_at is None:
+            blockers.append(("awaiting_signal", f"awaiting signal {r.awaits_signal!r}"))
+        if not blockers:
+            return Answer("not_ready", f"{name} is pending and not ready yet by the database's clock "
+                                       f"({_fmt(r.checked_at)}); look again in a moment.")
+        return Answer(blockers[0][0], f"{name} is not triggered yet: {'; '.join(b for _, b in blockers)}.")
+    since = r.ready_since
+    waited = (r.checked_at - since).total_seconds() if since is not None else None
+    ready = f"{name} is ready since {_fmt(since)}" + (f" ({_fmt_seconds(waited)} ago)" if waited is not None else "")
+    flag = x.flag
+    phase = _phase_text(flag)
+    past_grace = waited is not None and waited > flag.grace_seconds
+    attempt = (x.attempts or 0) + 1 if x.attempts is not None else None
+    decided = next((d for d in reversed(x.decisions) if attempt is None or d.attempt == attempt), None)
+    if flag.source == "unavailable":
+        why = ("the flag store cannot be read, so the legacy poller treats every type as polling and dispatches it "
+               "at its next scan")
+    elif flag.poller_route == "sweep":
+        why = (f"the type is in phase {phase}, so the event path should have dispatched it"
+               + _event_hint(x)
+               + ("; it has been ready longer than the grace period "
+                  f"({flag.grace_seconds:g} s), so the next safety sweep dispatches it (an event-path miss)"
+                  if past_grace else
+                  f"; the safety sweep will catch it after the grace period ({flag.grace_seconds:g} s)"))
+    elif flag.poller_route == "fallback":
+        why = (f"the type is in phase {phase} and its instance is in the event path's share, so the event path "
+               "should have dispatched it" + _event_hint(x)
+               + ("; it has been ready longer than the grace period "
+                  f"({flag.grace_seconds:g} s), so the poller's next scan dispatches it as a fallback (an event-path "
+                  "miss)" if past_grace else
+                  f"; the poller's fallback dispatches it once it has been ready for the grace period "
+                  f"({flag.grace_seconds:g} s)"))
+    else:
+        share = (" and its instance is outside the event path's share" if flag.phase == "selective" else "")
+        why = f"the type is in phase {phase}{share}, so the legacy poller should dispatch it at its next scan"
+        if flag.phase == "dual_write":
+            why += (f" (the event path recorded its shadow decision at {_fmt(decided.decided_at)})"
+                    if decided is not None else " (the event path has recorded no shadow decision for it yet)")
+    return Answer("ready_not_dispatched", f"{ready} but not dispatched: {why}.")
+
+
+def _event_hint(x: Explanation) -> str:
+    """Where the task's latest event is on its way to the scheduler (when that explains the miss)."""
+    if not x.events:
+        return " (no outbox event of the task is retained)"
+    last = x.events[-1]
+    state = last.delivery.state
+    if state == "unpublished":
+        return " (its latest event is still unpublished in the outbox: is the relay running?)"
+    if state == "undelivered":
+        return " (its latest event is on the bus but not yet read by the scheduler: is it running, or lagging?)"
+    if state == "pending":
+        return " (its latest event was delivered but not acknowledged: the scheduler may be failing on it)"
+    if state == "dead_lettered":
+        return " (its latest event was dead-lettered: see `pollbridge dlq list`)"
+    return ""
+
+
+def _phase_text(flag: FlagView) -> str:
+    if flag.phase == "selective" and flag.percent is not None:
+        return f"selective {flag.percent:g}%"
+    return flag.phase
+
+
+# --- small helpers ----------------------------------------------------------------------------------------
+
+
+def _latency(ready_at: Any, at: Any) -> float | None:
+    start, end = as_utc(ready_at), as_utc(at)
+    if start is None or end is None:
+        return None
+    return (end - start) / timedelta(milliseconds=1)
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _fmt(value: datetime | None) -> str:
+    if value is None:
+        return "an unrecorded time"
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:,.0f} ms"
+
+
+def _fmt_seconds(seconds: float) -> str:
+    if abs(seconds) < 120:
+        return f"{seconds:.1f} s"
+    if abs(seconds) < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

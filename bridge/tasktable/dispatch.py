@@ -1,0 +1,177 @@
+"""The dispatch transition: the one compare-and-set both paths use (invariant 3).
+
+Dispatch moves a task from *pending* to *dispatched* with one UPDATE whose WHERE clause repeats
+the whole readiness condition. Two dispatchers racing for the same task therefore cannot both
+win (the second finds the status changed), and a task whose readiness stopped holding between a
+scan and its dispatch is not dispatched (invariant 2 is checked at the moment of the write, not
+at the moment of the read). The winner records the dispatch in ``pollbridge_dispatch_log`` in
+the same transaction, so the log and the task table never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection, Dialect
+
+from bridge.db.driver import DriverStatement
+from bridge.db.engine import db_now
+from bridge.db.schema import dispatch_log
+from bridge.tasktable.readiness import ready_predicate
+from bridge.tasktable.tables import TaskTable
+
+Path = Literal["poller", "events", "fallback"]
+
+
+@dataclass(frozen=True)
+class ReadyTask:
+    """A task a scan found ready, with what the dispatch log needs."""
+
+    task_id: Any
+    instance_id: str
+    task_key: str
+    workflow_type: str | None
+    attempt: int | None
+    ready_at: datetime | None
+
+
+def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], path: Path,
+                  trace_ids: Mapping[str, str | None] | None = None) -> list[ReadyTask]:
+    """Dispatch a batch inside the caller's transaction; return the tasks this call won.
+
+    Two statements whatever the batch size: one compare-and-set UPDATE over all the ids (each row is
+    still updated only if it is pending and ready at the moment it is written: a row another
+    dispatcher changed first is re-checked against its new version and skipped), then one INSERT of
+    the dispatch-log rows of the winners."""
+    if not tasks:
+        return []
+    by_id = {task.task_id: task for task in tasks}
+    traces = trace_ids or {}
+    if tt.dialect_name == "postgresql":
+        # One statement, one round trip: the UPDATE and the dispatch-log INSERT in a data-modifying
+        # CTE, atomic as a statement even in autocommit mode. The batch travels as arrays, so the SQL
+        # text is the same whatever the batch: compiled once, prepared by the driver.
+        won_ids = set(_pg_dispatch_statement(tt, path, conn.dialect).scalars(conn, {
+            "pb_ids": list(by_id),
+            "pb_task_ids": [str(task.task_id) for task in tasks],
+            "pb_instance_ids": [str(task.instance_id) for task in tasks],
+            "pb_types": [task.workflow_type for task in tasks],
+            "pb_keys": [task.task_key for task in tasks],
+            "pb_attempts": [task.attempt for task in tasks],
+            "pb_ready_ats": [task.ready_at for task in tasks],
+            "pb_trace_ids": [traces.get(task.instance_id) for task in tasks],
+        }))
+        return [task for task in tasks if str(task.task_id) in won_ids]
+    t = tt.tasks
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
+    for logical in ("dispatched_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    stmt = (
+        t.update()
+        .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t))
+        .values(values)
+        .returning(tt.col("id"))
+    )
+    won = [by_id[task_id] for task_id in conn.execute(stmt).scalars()]
+    if won:
+        conn.execute(dispatch_log.insert().values(dispatched_at=db_now(tt.dialect_name)), [
+            {"task_id": str(task.task_id), "instance_id": str(task.instance_id), "workflow_type": task.workflow_type,
+             "task_key": task.task_key, "attempt": task.attempt, "path": path, "ready_at": task.ready_at,
+             "trace_id": traces.get(task.instance_id)}
+            for task in won
+        ])
+    return won
+
+
+_PG_STATEMENTS: dict[tuple[int, str], tuple[TaskTable, DriverStatement]] = {}
+
+
+def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> DriverStatement:
+    """The PostgreSQL batch dispatch for ``tt`` and ``path``, built once: the compare-and-set UPDATE over
+    ``id = ANY(:pb_ids)`` and the dispatch-log INSERT of its winners, the batch's facts unnested from arrays."""
+    cached = _PG_STATEMENTS.get((id(tt), path))
+    if cached is not None and cached[0] is tt:
+        return cached[1]
+    t = tt.tasks
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
+    for logical in ("dispatched_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    ids = sa.bindparam("pb_ids", type_=postgresql.ARRAY(tt.col("id").type))
+    won = (
+        t.update()
+        .where(tt.col("id") == sa.any_(ids), ready_predicate(tt, t))
+        .values(values)
+        .returning(tt.col("id").label("id"))
+        .cte("pb_won")
+    )
+
+    def array(name: str, of: Any) -> Any:
+        return sa.bindparam(name, type_=postgresql.ARRAY(of))
+
+    facts = (
+        sa.func.unnest(ids, array("pb_task_ids", sa.String), array("pb_instance_ids", sa.String),
+                       array("pb_types", sa.String), array("pb_keys", sa.String), array("pb_attempts", sa.Integer),
+                       array("pb_ready_ats", sa.DateTime(timezone=True)), array("pb_trace_ids", sa.String))
+        .table_valued(sa.column("id"), sa.column("task_id", sa.String), sa.column("instance_id", sa.String),
+                      sa.column("workflow_type", sa.String), sa.column("task_key", sa.String),
+                      sa.column("attempt", sa.Integer), sa.column("ready_at", sa.DateTime(timezone=True)),
+                      sa.column("trace_id", sa.String))
+        .render_derived(name="pb_facts")
+    )
+    select_won = (
+        sa.select(facts.c.task_id, facts.c.instance_id, facts.c.workflow_type, facts.c.task_key, facts.c.attempt,
+                  sa.literal(path, sa.String), facts.c.ready_at, now, facts.c.trace_id)
+        .select_from(won.join(facts, won.c.id == facts.c.id))
+    )
+    stmt = (
+        dispatch_log.insert()
+        .from_select(["task_id", "instance_id", "workflow_type", "task_key", "attempt", "path", "ready_at",
+                      "dispatched_at", "trace_id"], select_won)
+        .returning(dispatch_log.c.task_id)
+    )
+    if len(_PG_STATEMENTS) >= 64:  # task tables reflected again and again (tests): keep the cache small
+        _PG_STATEMENTS.clear()
+    # Run for every batch either path dispatches: straight through the driver (see bridge.db.driver).
+    run = DriverStatement(stmt, dialect)
+    _PG_STATEMENTS[(id(tt), path)] = (tt, run)
+    return run
+
+
+def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace_id: str | None = None) -> bool:
+    """Try to dispatch ``task`` inside the caller's transaction; ``True`` if this call won."""
+    t = tt.tasks
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
+    for logical in ("dispatched_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    stmt = (
+        t.update()
+        .where(tt.col("id") == task.task_id, ready_predicate(tt, t))
+        .values(values)
+    )
+    if conn.execute(stmt).rowcount != 1:
+        return False
+    conn.execute(
+        dispatch_log.insert().values(
+            task_id=str(task.task_id),
+            instance_id=str(task.instance_id),
+            workflow_type=task.workflow_type,
+            task_key=task.task_key,
+            attempt=task.attempt,
+            path=path,
+            ready_at=task.ready_at,
+            dispatched_at=now,
+            trace_id=trace_id,
+        )
+    )
+    return True

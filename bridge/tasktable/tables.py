@@ -1,0 +1,145 @@
+"""The existing scheduler's tables, seen through the mapping.
+
+:func:`reflect_tables` loads the real tables named by the mapping from the database (so column
+types are the user's, not guessed) and checks that every mapped column exists. The result,
+:class:`TaskTable`, is the only way the rest of pollbridge reaches those tables: callers ask for
+columns by *logical* name (``tt.col("status")``), never by the user's column names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import NoSuchTableError, OperationalError
+
+from bridge.core.errors import DatabaseUnavailable, MappingMismatch, first_line
+from bridge.core.mapping import TaskTableMapping
+
+
+@dataclass(frozen=True)
+class TaskTable:
+    mapping: TaskTableMapping
+    tasks: sa.Table
+    instances: sa.Table | None
+    edges: sa.Table | None
+    dialect_name: str
+
+    def col(self, logical: str, table: sa.FromClause | None = None) -> sa.ColumnElement[Any]:
+        """The column for a logical name on ``table`` (the task table or an alias of it)."""
+        name = getattr(self.mapping.columns, logical)
+        if name is None:
+            raise KeyError(f"column {logical!r} is not mapped")
+        source = self.tasks if table is None else table
+        column: sa.ColumnElement[Any] = source.c[name]
+        return column
+
+    def has(self, logical: str) -> bool:
+        return getattr(self.mapping.columns, logical) is not None
+
+    @property
+    def statuses(self) -> Any:
+        return self.mapping.statuses
+
+    def workflow_type_source(
+        self, tasks: sa.FromClause, only_instances: sa.BindParameter[Any] | None = None
+    ) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
+        """``(from_clause, type_expression)`` giving each task row its workflow type.
+
+        ``only_instances`` (an expanding bind parameter of instance ids) restricts the join to those
+        instances, so the planner looks them up by key instead of hashing the whole instances table."""
+        if self.instances is None:
+            return tasks, self.col("workflow_type", tasks)
+        inst = self.instances
+        assert self.mapping.instances is not None
+        on = inst.c[self.mapping.instances.id] == self.col("instance_id", tasks)
+        if only_instances is not None:
+            on = sa.and_(on, inst.c[self.mapping.instances.id].in_(only_instances))
+        joined = tasks.outerjoin(inst, on)
+        return joined, inst.c[self.mapping.instances.workflow_type]
+
+
+def reflect_tables(bind: Engine | Connection, mapping: TaskTableMapping) -> TaskTable:
+    """Reflect the mapped tables; raise :class:`MappingMismatch` naming any missing table or column."""
+    metadata = sa.MetaData()
+    tasks = _reflect(bind, metadata, mapping.table, mapping.schema)
+    _require_columns(tasks, mapping.columns.mapped().items(), "mapping.columns")
+    instances = None
+    if mapping.type_from_instances:
+        assert mapping.instances is not None
+        instances = _reflect(bind, metadata, mapping.instances.table, mapping.instances.schema)
+        _require_columns(
+            instances,
+            [("id", mapping.instances.id), ("workflow_type", mapping.instances.workflow_type)],
+            "mapping.instances",
+        )
+    edges = None
+    if mapping.dependency_mode == "edges":
+        assert mapping.edges is not None
+        edges = _reflect(bind, metadata, mapping.edges.table, mapping.edges.schema)
+        _require_columns(
+            edges,
+            [("task_id", mapping.edges.task_id), ("depends_on_id", mapping.edges.depends_on_id)],
+            "mapping.dependencies",
+        )
+    return TaskTable(mapping, tasks, instances, edges, bind.dialect.name)
+
+
+def _qualified(name: str, schema: str | None) -> str:
+    return f"{schema}.{name}" if schema else name
+
+
+def _reflect(bind: Engine | Connection, metadata: sa.MetaData, name: str, schema: str | None) -> sa.Table:
+    try:
+        return sa.Table(name, metadata, schema=schema, autoload_with=bind)
+    except OperationalError as exc:
+        if "unknown database" not in str(exc.orig):  # a connection cut, a lock: not a missing table
+            reason = first_line(exc)
+            raise DatabaseUnavailable(f"cannot read table {_qualified(name, schema)!r}: {reason}") from None
+        raise _missing(name, schema) from None  # SQLite: the schema (attached database) does not exist
+    except NoSuchTableError:
+        raise _missing(name, schema) from None
+
+
+def _missing(name: str, schema: str | None) -> MappingMismatch:
+    return MappingMismatch(
+            f"table {_qualified(name, schema)!r} named by the mapping does not exist in the database; "
+            "fix the [mapping] section of pollbridge.toml or create the table "
+            "(pollbridge init --demo-schema creates the reference one)"
+        )
+
+
+def _require_columns(table: sa.Table, wanted: Any, where: str) -> None:
+    for logical, column in wanted:
+        if column not in table.c:
+            raise MappingMismatch(
+                f"column {column!r} ({where}.{logical}) does not exist in table "
+                f"{_qualified(table.name, table.schema)!r}; existing columns: {', '.join(table.c.keys())}"
+            )
+
+
+def parse_task_id(tt: TaskTable, raw: str, error: type[Exception]) -> Any:
+    """``raw`` as a value of the task table's id column, or ``error`` with a clear message.
+
+    Integer ids must be plain ASCII digits within the column's range: ``int()`` would also take
+    ``" 10 "``, ``"1_0"`` or other scripts' digits, and an id past the range would reach the database
+    as an overflow."""
+    column_type = tt.col("id").type
+    try:
+        python_type = column_type.python_type
+    except NotImplementedError:
+        return raw
+    where = f"{tt.mapping.table}.{tt.mapping.columns.id}"
+    if python_type is int:
+        limit = 2**31 if type(column_type).__name__.upper() in ("INTEGER", "SMALLINTEGER") and \
+            tt.dialect_name == "postgresql" else 2**63
+        if not (isinstance(raw, str) and re.fullmatch(r"-?[0-9]{1,19}", raw)) or not -limit <= int(raw) < limit:
+            raise error(f"task id {raw!r} is not a valid integer id of {where}")
+        return int(raw)
+    try:
+        return python_type(raw)
+    except (TypeError, ValueError):
+        raise error(f"task id {raw!r} is not a valid {python_type.__name__} (the type of {where})") from None
