@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection, Engine
 from bridge.bus.base import EventBus
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
+from bridge.capture.outbox import read_backlog
 from bridge.capture.triggers import NOTIFY_CHANNEL
 from bridge.core.backoff import Backoff
 from bridge.core.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
@@ -232,21 +233,16 @@ class Relay:
     # --- housekeeping -------------------------------------------------------------------------------
     def probe(self) -> int:
         """Backlog and oldest age of this partition (the idle fallback probe; also feeds the gauges)."""
-        o = outbox.c
-        query = (sa.select(sa.func.count(), sa.func.min(o.created_at))
-                 .where(o.relay_partition == self.partition, o.published_at.is_(None)))
         if self._reader is not None:  # SQLite: a read needs no write lock
             with self._reader.connect() as conn:
-                count, oldest = conn.execute(query).one()
+                backlog = read_backlog(conn, self.partition)
                 conn.rollback()
         else:
             with self._begin() as conn:
-                count, oldest = conn.execute(query).one()
-        self.metrics.backlog.labels(**self._labels).set(count)
-        oldest_utc = as_utc(oldest)
-        age = (datetime.now(UTC) - oldest_utc).total_seconds() if oldest_utc else 0.0
-        self.metrics.oldest_age.labels(**self._labels).set(max(0.0, age))
-        return int(count)
+                backlog = read_backlog(conn, self.partition)
+        self.metrics.backlog.labels(**self._labels).set(backlog.unpublished)
+        self.metrics.oldest_age.labels(**self._labels).set(backlog.oldest_age)
+        return backlog.unpublished
 
     def check_bus_epoch(self) -> bool:
         """Detect bus loss; on loss queue the retained rows for republishing. True if a reset was handled."""

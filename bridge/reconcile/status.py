@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -36,12 +36,13 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
 from bridge.bus.base import EventBus
+from bridge.capture.outbox import read_backlog
 from bridge.core.errors import FlagStoreUnavailable, first_line
 from bridge.core.phases import PHASES
 from bridge.core.settings import SchedulerSettings
 from bridge.db.clock import as_utc
-from bridge.db.engine import db_ago, db_now, read_only
-from bridge.db.schema import bus_dead, decisions, dispatch_log, flag_audit, outbox, outbox_dead
+from bridge.db.engine import db_ago, read_only
+from bridge.db.schema import bus_dead, decisions, dispatch_log, flag_audit, outbox_dead
 from bridge.flags.store import FlagStore
 
 log = logging.getLogger(__name__)
@@ -161,15 +162,13 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
 
     dialect = engine.dialect.name
     since = db_ago(dialect, window)
-    dl, dc, fa, o = dispatch_log.c, decisions.c, flag_audit.c, outbox.c
+    dl, dc, fa = dispatch_log.c, decisions.c, flag_audit.c
     with read_only(engine).connect() as conn:
-        now_raw = conn.execute(sa.select(db_now(dialect))).scalar()
         per_path = conn.execute(sa.select(dl.workflow_type, dl.path, sa.func.count())
                                 .where(dl.dispatched_at >= since).group_by(dl.workflow_type, dl.path)).all()
         decided = conn.execute(sa.select(dc.workflow_type, sa.func.count())
                                .where(dc.decided_at >= since).group_by(dc.workflow_type)).all()
-        backlog, oldest = conn.execute(sa.select(sa.func.count(), sa.func.min(o.created_at))
-                                       .where(o.published_at.is_(None))).one()
+        outbox_now = read_backlog(conn)
         dead_outbox = conn.execute(sa.select(sa.func.count()).select_from(outbox_dead)).scalar_one()
         demotion_counts = conn.execute(sa.select(fa.workflow_type, sa.func.count())
                                        .where(fa.actor == GUARDIAN_ACTOR).group_by(fa.workflow_type)).all()
@@ -178,9 +177,7 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
                               .limit(GUARDIAN_RECENT)).all()
         conn.rollback()
 
-    now = as_utc(now_raw) or datetime.now(UTC)
-    oldest_at = as_utc(oldest)
-    age = max(0.0, (now - oldest_at).total_seconds()) if oldest_at is not None else 0.0
+    now, backlog, age = outbox_now.now, outbox_now.unpublished, outbox_now.oldest_age
 
     dispatches: dict[str, dict[str, int]] = {}
     for workflow_type, path, n in per_path:

@@ -65,12 +65,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.bus.base import EventBus
+from bridge.capture.outbox import read_backlog
 from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.phases import Flag, Phase
 from bridge.core.settings import GuardianSettings, SchedulerSettings
 from bridge.db.clock import as_utc
-from bridge.db.engine import db_now, read_only
-from bridge.db.schema import dispatch_log, outbox
+from bridge.db.engine import read_only
+from bridge.db.schema import dispatch_log
 from bridge.flags.store import FlagChange, FlagStore, describe
 from bridge.rollout.promotion import rollback
 
@@ -223,16 +224,9 @@ class Guardian:
         """``(unpublished rows, age in seconds of the oldest, database now)``; age 0 without a backlog.
 
         Both timestamps come from the database, so a host clock that drifts cannot trip the criterion."""
-        o = outbox.c
         with self._reader.connect() as conn:
-            count, oldest, now = conn.execute(
-                sa.select(sa.func.count(), sa.func.min(o.created_at), db_now(self._dialect))
-                .where(o.published_at.is_(None))).one()
-        now_utc = as_utc(now)
-        assert now_utc is not None
-        oldest_utc = as_utc(oldest)
-        age = max(0.0, (now_utc - oldest_utc).total_seconds()) if oldest_utc is not None else 0.0
-        return int(count), age, now_utc
+            backlog = read_backlog(conn)
+        return backlog.unpublished, backlog.oldest_age, backlog.now
 
     def lag(self) -> tuple[dict[int, int] | None, str]:
         """Per-partition lag of the scheduler's group, or ``None`` with why it is unknown."""
