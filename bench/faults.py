@@ -6,7 +6,7 @@ Runs in a PostgreSQL database of its own (dropped afterwards unless ``--keep-db`
 ``redis-server``; prints every fault as it is injected, a progress line every minute, then the figure
 line (faults by kind, tasks, lost, double, early, ...) and the load average of the machine during the
 run. Exit 0 when every invariant held, 1 otherwise. The engine, the faults and the checks are
-described in ``tests/chaos_support.py``.
+described in ``tests/support/chaos/`` (the package :mod:`tests.support.chaos`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ import os
 import sys
 import time
 import uuid
-from pathlib import Path
 
 from bench.common import machine, scratch_database, write_json
 from bridge.app import install
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from chaos_support import ChaosOptions, log_tails, new_workdir, run_chaos
+from tests.support.chaos import ChaosOptions, log_tails, new_workdir, run_chaos
 
 
 def main(argv: list[str] | None = None) -> int:

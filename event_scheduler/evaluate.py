@@ -15,7 +15,8 @@ Round trips per batch on PostgreSQL: one evaluation query and, if something is r
 statement, both on the caller's connection (the scheduler's loop keeps one checked out, so no pool
 pre-ping per batch) and both with a constant SQL text (instance and task ids travel as arrays), so
 they are compiled once and prepared by the driver. An in-flight count is read only for a type that
-has ``max_in_flight``, an instance's dispatch count (the depth guard) once per instance.
+has ``max_in_flight``, an instance's dispatch count (the depth guard) once per instance. The statements
+are built from the mapping in :mod:`event_scheduler.queries`; the evaluator only runs them.
 
 An evaluator may be used from two threads at once (the scheduler's loop and its catch-up): the
 in-memory state (token buckets, dispatch counts) is guarded by a lock; the database state needs
@@ -36,7 +37,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from bridge.core.events import new_trace_id
@@ -44,12 +44,11 @@ from bridge.core.phases import EventRouter
 from bridge.core.settings import SchedulerSettings, TypeSettings
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
-from bridge.db.engine import autocommit, db_now
-from bridge.db.schema import decisions, dispatch_log
+from bridge.db.engine import autocommit
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many
-from bridge.tasktable.readiness import ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable
 from event_scheduler.metrics import SchedulerMetrics
+from event_scheduler.queries import EvaluatorQueries
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +159,7 @@ def tune_sessions(engine: Engine) -> None:
 
 class Evaluator:
     def __init__(self, engine: Engine, tables: TaskTable, router: EventRouter, settings: SchedulerSettings,
-                 metrics: SchedulerMetrics) -> None:
+                 metrics: SchedulerMetrics, queries: EvaluatorQueries | None = None) -> None:
         self.engine = engine
         self.tables = tables
         self.router = router
@@ -172,119 +171,18 @@ class Evaluator:
         self._lock = threading.Lock()  # guards _buckets and _depths
         self._buckets: dict[str | None, TokenBucket] = {}
         self._depths: OrderedDict[str, int] = OrderedDict()
-        tt = tables
-        t = tt.tasks
-        st = tt.statuses
-        live = [st.pending, st.failed, st.running]
-        # pb_base: every task of the instances, found through the instance index alone. OFFSET 0 keeps the
-        # status condition out of this scan: with stale statistics PostgreSQL otherwise ANDs in a bitmap of
-        # the status index, which reads every pending task of the table (O(pending) per evaluation).
-        # An instance without a live task keeps one row (pb_rn = 1) as a marker: "finished, not unknown"
-        # comes with the same query (an instance without any row is unknown).
-        logical = [c for c in ("id", "instance_id", "task_key", "status", "depends_on", "due_at", "awaits_signal",
-                               "signal_received_at", "updated_at", "attempts", "max_attempts") if tt.has(c)]
-        if tt.instances is None and tt.has("workflow_type"):
-            logical.append("workflow_type")
-        # pb_in_scope: the live tasks this evaluation is about (see Scope); on SQLite every live task.
-        is_live = tt.col("status").in_(live)
-        in_scope: sa.ColumnElement[Any] = sa.case((is_live, 1), else_=0)
-        if self._pg:
-            # The document parsed once (an uncorrelated scalar subquery is an InitPlan), never carried
-            # per row: joined in, it travelled through the window sort (1,000 instances: a 500 MB sort).
-            document = sa.select(sa.cast(sa.bindparam("scope", type_=sa.Text), postgresql.JSONB)).scalar_subquery()
-            in_scope = sa.case((is_live, sa.case((self._scope_hit(document), 1), else_=0)), else_=0)
-        base = (
-            sa.select(*(tt.col(c) for c in logical),
-                      sa.func.row_number().over(partition_by=tt.col("instance_id"), order_by=tt.col("id"))
-                      .label("pb_rn"),
-                      sa.func.max(sa.case((is_live, 1), else_=0))
-                      .over(partition_by=tt.col("instance_id")).label("pb_any_live"),
-                      in_scope.label("pb_in_scope"))
-            .where(self._in_ids(tt.col("instance_id")))
-            .offset(0)
-            .subquery("pb_base")
-        )
-        workflow_type: sa.ColumnElement[Any]
-        if tt.instances is None:
-            workflow_type = tt.col("workflow_type", base)
-        else:  # a primary-key lookup per row, whatever the statistics say
-            assert tt.mapping.instances is not None
-            inst = tt.instances
-            workflow_type = (sa.select(inst.c[tt.mapping.instances.workflow_type])
-                             .where(inst.c[tt.mapping.instances.id] == tt.col("instance_id", base))
-                             .scalar_subquery())
-        # pb_eval: the live tasks with their readiness (and the instance marker rows); outer query: the
-        # ready time, computed only for the rows found ready (a CASE branch is evaluated only when taken).
-        # One statement, one round trip.
-        inner = (
-            sa.select(*(tt.col(c, base) for c in logical if c != "workflow_type"),
-                      workflow_type.label("pb_workflow_type"),
-                      # CASE evaluates in order: readiness only for the rows in scope.
-                      sa.case((base.c.pb_in_scope == 0, 0), (ready_predicate(tt, base), 1), else_=0)
-                      .label("pb_ready"),
-                      # "Not due yet" by the database clock, the one readiness uses: the scheduler host's
-                      # clock may disagree, and deciding with it could leave a task with neither a
-                      # dispatch nor a timer.
-                      (sa.case((tt.col("due_at", base) > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
-                       else sa.literal(0)).label("pb_due_future"),
-                      base.c.pb_in_scope.label("pb_live"), base.c.pb_any_live.label("pb_any_live"))
-            .where(sa.or_(base.c.pb_in_scope == 1, base.c.pb_rn == 1))
-            .subquery("pb_eval")
-        )
-        optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at")
-                    if tt.has(c)]
-        self._query = (
-            sa.select(
-                tt.col("id", inner).label("task_id"), tt.col("instance_id", inner).label("instance_id"),
-                tt.col("task_key", inner).label("task_key"), tt.col("status", inner).label("status"),
-                inner.c.pb_workflow_type.label("workflow_type"), *optional, inner.c.pb_ready.label("ready"),
-                inner.c.pb_due_future.label("due_future"), inner.c.pb_live.label("live"),
-                inner.c.pb_any_live.label("any_live"),
-                sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
-            )
-            .order_by(tt.col("id", inner))
-        )
-        # Run hundreds of times a second: straight through the driver on PostgreSQL (see bridge.db.driver).
-        self._query_run = DriverStatement(self._query, engine.dialect)
-        all_src, any_type = tt.workflow_type_source(t)
-        in_flight = sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src).where(
-            tt.col("status").in_([st.dispatched, st.running])).group_by(any_type)
-        self._in_flight = in_flight
-        self._depth = (sa.select(dispatch_log.c.instance_id, sa.func.count())
-                       .where(self._in_ids(dispatch_log.c.instance_id))
-                       .group_by(dispatch_log.c.instance_id))
+        # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
+        self.queries = queries if queries is not None else EvaluatorQueries.build(tables, engine.dialect)
 
-    def _scope_hit(self, scope: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
-        """Whether the task row is in the evaluation's scope, given the scope document (JSONB, per instance
-        id: ``{"w": 1}`` for the whole instance, else ``{"k": [task keys], "d": [task keys]}``: those tasks,
-        and the tasks depending on one of the ``d`` keys). Binary searches in the document, per row."""
-        tt = self.tables
-        entry = scope.op("->")(sa.cast(tt.col("instance_id"), sa.Text))
-        key = sa.cast(tt.col("task_key"), sa.Text)
-        if tt.mapping.dependency_mode == "json":
-            deps = sa.func.array(sa.select(sa.func.json_array_elements_text(sa.cast(tt.col("depends_on"), sa.JSON)))
-                                 .correlate(tt.tasks).scalar_subquery())
-        else:
-            assert tt.edges is not None and tt.mapping.edges is not None
-            e = tt.edges.alias("pb_scope_edge")
-            dep = tt.tasks.alias("pb_scope_dep")
-            deps = sa.func.array(
-                sa.select(sa.cast(tt.col("task_key", dep), sa.Text))
-                .select_from(e.join(dep, tt.col("id", dep) == e.c[tt.mapping.edges.depends_on_id]))
-                .where(e.c[tt.mapping.edges.task_id] == tt.col("id"))
-                .correlate_except(e, dep).scalar_subquery())
-        return sa.or_(
-            entry.op("->>")(sa.literal("w", sa.Text)) == "1",
-            entry.op("->")(sa.literal("k", sa.Text)).op("?", return_type=sa.Boolean)(key),
-            entry.op("->")(sa.literal("d", sa.Text)).op("?|", return_type=sa.Boolean)(deps),
-        )
+    @property
+    def _query(self) -> sa.Select[Any]:
+        """The evaluation statement (for ``bench.evaluate_cost`` and the driver tests)."""
+        return self.queries.evaluation
 
-    def _in_ids(self, column: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
-        """``column`` is one of the ``ids`` parameter: ``= ANY(array)`` on PostgreSQL (one SQL text whatever
-        the number of ids), an expanding ``IN`` elsewhere."""
-        if self._pg:
-            return column == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(column.type)))
-        return column.in_(sa.bindparam("ids", expanding=True))
+    @property
+    def _query_run(self) -> DriverStatement:
+        """The evaluation through the driver (for ``bench.evaluate_cost`` and the driver tests)."""
+        return self.queries.evaluation_run
 
     def connect(self) -> Connection:
         """A connection for :meth:`evaluate` (autocommit on PostgreSQL); the caller closes it."""
@@ -314,7 +212,7 @@ class Evaluator:
                 sc = scopes.get(i)
                 document[i] = {"w": 1} if sc is None else {"k": sorted(sc.keys), "d": sorted(sc.dependents_of)}
             params["scope"] = json.dumps(document)
-        rows = self._query_run.all(conn, params)
+        rows = self.queries.evaluation_run.all(conn, params)
         present = {str(r.instance_id) for r in rows}
         live = {str(r.instance_id) for r in rows if r.any_live}
         finished = [i for i in ids if i not in live]
@@ -368,7 +266,7 @@ class Evaluator:
             ts = self.settings.for_type(task.workflow_type)
             if ts.max_in_flight:
                 if in_flight is None:  # only when a limit is configured
-                    in_flight = {k: int(v) for k, v in self._read(conn, self._in_flight).all()}
+                    in_flight = {k: int(v) for k, v in self._read(conn, self.queries.in_flight).all()}
                 if in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
                     self._hold(task, 1.0, result)
                     continue
@@ -401,9 +299,8 @@ class Evaluator:
                 # failed for another reason (the clock stepped back across a due time), nothing else would
                 # ever look at the instance again.
                 lost = [t for t in to_dispatch if t not in won]
-                tt = self.tables
-                still = {str(i) for i in self._read(conn, sa.select(tt.col("id")).where(
-                    tt.col("id").in_([t.task_id for t in lost]), tt.col("status") == tt.statuses.pending)).scalars()}
+                still = {str(i) for i in self._read(conn, self.queries.still_pending([t.task_id for t in lost]))
+                         .scalars()}
                 again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
                 for instance_id in sorted({t.instance_id for t in lost if str(t.task_id) in still}):
                     result.timers.append((again, "due", instance_id, ()))
@@ -438,7 +335,7 @@ class Evaluator:
             unknown = [i for i in instances if i not in self._depths]
         counted: dict[str, int] = {}
         if unknown:  # counted once per instance, then kept up to date in memory after each dispatch
-            counted = {str(k): int(v) for k, v in self._read(conn, self._depth, {"ids": unknown}).all()}
+            counted = {str(k): int(v) for k, v in self._read(conn, self.queries.depth, {"ids": unknown}).all()}
         with self._lock:
             for i in unknown:
                 if i not in self._depths:  # the other thread may have counted it meanwhile
@@ -447,17 +344,12 @@ class Evaluator:
         over = {i for i in instances if depth.get(i, 0) >= self.settings.max_depth}
         if not over:
             return tasks
-        tt = self.tables
-        review = tt.statuses.review
+        review = self.tables.statuses.review
         stopped = [t for t in tasks if t.instance_id in over]
         if review:
-            values: dict[str, Any] = {tt.mapping.columns.status: review}
-            if tt.has("updated_at"):
-                values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
             with self.engine.begin() as conn:
                 for t in stopped:
-                    conn.execute(tt.tasks.update().where(tt.col("id") == t.task_id,
-                                                         tt.col("status") == tt.statuses.pending).values(values))
+                    conn.execute(self.queries.to_review(t.task_id))
         # Logged and counted after the commit, so the metric never runs ahead of the database.
         for instance_id in sorted(over):
             log.warning("depth guard: instance %s has %d dispatches (max %d); its ready tasks %s",
@@ -488,14 +380,7 @@ class Evaluator:
 
     def _decide(self, conn: Connection, task: ReadyTask, trace_id: str | None) -> bool:
         """Record a shadow decision once per (task, attempt)."""
-        values: dict[str, Any] = {
-            "task_id": str(task.task_id), "instance_id": task.instance_id, "workflow_type": task.workflow_type,
-            "task_key": task.task_key, "attempt": task.attempt, "ready_at": task.ready_at,
-            "decided_at": db_now(self.engine.dialect.name), "trace_id": trace_id,
-        }
-        insert_fn = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
-        stmt = insert_fn(decisions).values(values).on_conflict_do_nothing()
-        return bool(conn.execute(stmt).rowcount)
+        return bool(conn.execute(self.queries.decision(task, trace_id)).rowcount)
 
 
 def group_by_instance(items: Sequence[tuple[str, Any]]) -> dict[str, list[Any]]:

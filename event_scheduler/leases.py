@@ -1,8 +1,10 @@
 """Partition leases in the database: which scheduler process consumes which bus partition.
 
-This is the store that goes with the embedded bus; with Redis Streams the leases live beside the bus
-(:mod:`event_scheduler.redis_leases`). :func:`lease_store` picks one, :func:`lease_snapshot` reads
-either; both keep :class:`event_scheduler.protocols.PartitionLeaseStore`'s contract.
+This is the store that goes with a bus that keeps no leases itself (the embedded bus). A bus that
+does (Redis Streams: :meth:`bridge.bus.base.EventBus.leases`) gets :class:`BusPartitionLeases`, whose
+rounds run on the bus's server. :func:`lease_store` picks one through the bus interface,
+:func:`lease_snapshot` reads either; both keep :class:`event_scheduler.protocols.PartitionLeaseStore`'s
+contract.
 
 Each process heartbeats in ``pollbridge_scheduler_members`` and holds at most its fair share,
 ``ceil(partitions / live members)``, of rows in ``pollbridge_scheduler_leases``, renewing them every
@@ -22,14 +24,13 @@ take. An idle, settled scheduler so costs one statement per round.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.bus.base import EventBus
+from bridge.bus.base import BusLeases, EventBus, LeaseSnapshot
 from bridge.db.clock import as_utc
 from bridge.db.engine import read_only
 from bridge.db.schema import scheduler_leases, scheduler_members
@@ -142,51 +143,47 @@ class PartitionLeases:
             return {p: h for p, h in conn.execute(sa.select(scheduler_leases.c.partition, scheduler_leases.c.holder))}
 
 
+class BusPartitionLeases:
+    """:class:`event_scheduler.protocols.PartitionLeaseStore` kept beside the bus (:meth:`EventBus.leases`):
+    each refresh is one atomic round on the bus's server, by its clock; the database is not asked."""
+
+    def __init__(self, store: BusLeases, holder: str, ttl: float) -> None:
+        self.store = store
+        self.partitions = store.partitions
+        self.holder = holder
+        self.ttl = ttl
+        self.owned: set[int] = set()
+
+    def refresh(self, conn: object = None) -> tuple[set[int], set[int]]:
+        """Heartbeat, renew, rebalance in one round. ``conn`` is accepted for the database store's
+        signature and not used."""
+        before = set(self.owned)
+        self.owned = self.store.round(self.holder, self.ttl)
+        return self.owned - before, before - self.owned
+
+    def release_all(self) -> None:
+        self.store.release(self.holder)
+        self.owned = set()
+
+    def holders(self) -> dict[int, Any]:
+        leased = self.store.snapshot().leases
+        return {p: leased.get(p, (None, None))[0] for p in range(self.partitions)}
+
+
 def lease_store(engine: Engine, bus: EventBus, holder: str, ttl: float) -> PartitionLeaseStore:
-    """The leases that go with ``bus``: beside it in Redis for the Redis Streams bus (an idle round then
+    """The leases that go with ``bus``: beside it when it keeps them (Redis Streams: an idle round then
     costs the database nothing), in the database otherwise."""
-    from bridge.bus.redis_streams import RedisStreamsBus
-
-    if isinstance(bus, RedisStreamsBus):
-        from event_scheduler.redis_leases import RedisPartitionLeases
-
-        return RedisPartitionLeases(bus.client, bus.keys, bus.partitions, holder, ttl)
+    beside = bus.leases()
+    if beside is not None:
+        return BusPartitionLeases(beside, holder, ttl)
     return PartitionLeases(engine, bus.partitions, holder, ttl)
-
-
-@dataclass(frozen=True)
-class LeaseSnapshot:
-    """What a lease store records, read without writing (status, preflight, benchmarks). Times are aware
-    UTC; ``now`` is the store's clock (Redis's, or this host's for the database store, whose members
-    write their hosts' UTC clocks)."""
-
-    now: datetime
-    members: dict[str, datetime]  # holder -> last heartbeat
-    leases: dict[int, tuple[str | None, datetime | None]]  # partition -> (holder, expires)
-
-    def live_members(self, within: float) -> dict[str, datetime]:
-        return {h: t for h, t in self.members.items() if (self.now - t).total_seconds() <= within}
-
-    def settled(self, members: int, partitions: int) -> bool:
-        """Exactly ``members`` processes registered, each holding leases, and every partition leased."""
-        holders = {h for h, _ in self.leases.values() if h}
-        leased = {p for p, (h, _) in self.leases.items() if h}
-        return len(self.members) == members == len(holders) and leased >= set(range(partitions))
-
-    def held_by(self, holders: set[str] | dict[str, datetime]) -> set[int]:
-        """Partitions leased, unexpired, by one of ``holders``."""
-        return {p for p, (h, exp) in self.leases.items()
-                if h is not None and h in holders and exp is not None and exp > self.now}
 
 
 def lease_snapshot(engine: Engine, bus: EventBus | None) -> LeaseSnapshot:
     """The leases of the store :func:`lease_store` would use with ``bus`` (None: the database's), read only."""
-    from bridge.bus.redis_streams import RedisStreamsBus
-
-    if isinstance(bus, RedisStreamsBus):
-        from event_scheduler.redis_leases import read_snapshot
-
-        return read_snapshot(bus.client, bus.keys)
+    beside = bus.leases() if bus is not None else None
+    if beside is not None:
+        return beside.snapshot()
     mc, lc = scheduler_members.c, scheduler_leases.c
     with read_only(engine).connect() as conn:
         members = conn.execute(sa.select(mc.holder, mc.heartbeat_at)).all()
@@ -195,3 +192,6 @@ def lease_snapshot(engine: Engine, bus: EventBus | None) -> LeaseSnapshot:
         now=datetime.now(UTC),
         members={str(m.holder): t for m in members if (t := as_utc(m.heartbeat_at)) is not None},
         leases={int(r.partition): (r.holder, as_utc(r.expires_at)) for r in leases})
+
+
+__all__ = ["BusPartitionLeases", "LeaseSnapshot", "PartitionLeases", "lease_snapshot", "lease_store"]

@@ -3,8 +3,9 @@
 :class:`PartitionLeaseStore` decides which scheduler process consumes which bus partition. Two
 implementations keep the same contract and run the same tests: :class:`event_scheduler.leases.
 PartitionLeases` (database tables; the choice with the embedded bus) and :class:`event_scheduler.
-redis_leases.RedisPartitionLeases` (beside a Redis Streams bus). :func:`event_scheduler.leases.
-lease_store` picks the one that goes with a bus.
+leases.BusPartitionLeases` (beside a bus that keeps leases, :meth:`bridge.bus.base.EventBus.leases`:
+Redis Streams). :func:`event_scheduler.leases.lease_store` picks the one that goes with a bus, through
+the bus interface.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ canary's tasks for the grace period and records those it still finds as path ``f
 event-path miss, counted in ``pollbridge_fallback_misses_total``), and :meth:`LegacyPoller.sweep_once`
 is the slow safety sweep over ``cutover`` types. The flags are re-read at most every router refresh
 interval; while the flag store is unreadable every type is ``polling`` here.
+
+The statements are built in :mod:`legacy_poller.queries`; the poller keeps the scans per flag set and runs them.
 """
 
 from __future__ import annotations
@@ -26,13 +28,11 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from bridge.core.phases import Flag
-from bridge.db.engine import db_now
 from bridge.flags.router import FlagRouter
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many
-from bridge.tasktable.readiness import ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.metrics import PollerMetrics
-from legacy_poller.routing import owned_by_events, scan_filter, sweep_filter
+from legacy_poller.queries import repend_failed_statement, scan_statement
 
 log = logging.getLogger(__name__)
 
@@ -81,51 +81,9 @@ class LegacyPoller:
         if key not in self._scans:
             if len(self._scans) > 64:
                 self._scans.clear()
-            self._scans[key] = self._build_scan(mode, {f.workflow_type: f for f in relevant})
+            self._scans[key] = scan_statement(self.tables, mode, {f.workflow_type: f for f in relevant},
+                                              self.batch_size)
         return self._scans[key]
-
-    def _build_scan(self, mode: str, flags: dict[str, Flag]) -> sa.Select[Any] | None:
-        tt = self.tables
-        t = tt.tasks
-        src, workflow_type = tt.workflow_type_source(t)
-        routed = (sweep_filter if mode == "sweep" else scan_filter)(tt, t, workflow_type, flags)
-        if mode == "sweep" and routed is None:
-            return None  # no cutover type: nothing to sweep
-        attempt = (tt.col("attempts") + 1) if tt.has("attempts") else sa.null()
-        where = ready_predicate(tt, t) if routed is None else sa.and_(ready_predicate(tt, t), routed)
-        ready = (
-            sa.select(
-                tt.col("id").label("task_id"),
-                tt.col("instance_id").label("instance_id"),
-                tt.col("task_key").label("task_key"),
-                workflow_type.label("workflow_type"),
-                attempt.label("attempt"),
-                ready_since(tt, t).label("ready_at"),
-            )
-            .select_from(src)
-            .where(where)
-            .order_by(tt.col("id"))
-            .limit(self.batch_size)
-            .subquery("pb_ready")
-        )
-        # What a poll examines: the pending rows of the types it still scans (so the work cutover saves
-        # shows in pollbridge_poller_rows_examined_total instead of being claimed).
-        cutover = sorted(name for name, f in flags.items() if f.phase == "cutover")
-        counted = tt.col("status") == tt.statuses.pending
-        count_src: sa.FromClause = t
-        if cutover:
-            count_src = src
-            if mode == "sweep":
-                counted = sa.and_(counted, workflow_type.in_(cutover))
-            else:
-                counted = sa.and_(counted, sa.or_(workflow_type.is_(None), workflow_type.not_in(cutover)))
-        pending = (
-            sa.select(sa.func.count().label("examined"))
-            .select_from(count_src)
-            .where(counted)
-            .subquery("pb_pending")
-        )
-        return sa.select(pending.c.examined, *ready.c).select_from(pending.outerjoin(ready, sa.true()))
 
     def scan_once(self) -> ScanResult:
         """Scan until a batch comes back short; dispatch everything the flags let it (see the module doc)."""
@@ -194,15 +152,7 @@ class LegacyPoller:
 
     def _repend_failed(self, flags: dict[str, Flag]) -> int:
         """The legacy scheduler's retry: a failed task with attempts left goes back to pending."""
-        tt = self.tables
-        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.pending}
-        if tt.has("updated_at"):
-            values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
-        where = [tt.col("status") == tt.statuses.failed, tt.col("attempts") < tt.col("max_attempts")]
-        owned = owned_by_events(tt, tt.tasks, flags)
-        if owned is not None:  # the event scheduler retries those, with its backoff
-            where.append(sa.not_(owned))
-        stmt = tt.tasks.update().where(*where).values(values)
+        stmt = repend_failed_statement(self.tables, flags)
         with self.engine.begin() as conn:
             count = conn.execute(stmt).rowcount
         self.metrics.retries.inc(count)

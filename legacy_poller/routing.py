@@ -19,21 +19,9 @@ import sqlalchemy as sa
 
 from bridge.core.phases import Flag, percent_threshold
 from bridge.db.engine import db_ago
+from bridge.tasktable.queries import type_of_row
 from bridge.tasktable.readiness import ready_since
 from bridge.tasktable.tables import TaskTable
-
-
-def type_of_row(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
-    """The workflow type of task row ``t`` as a scalar expression (usable in an UPDATE's WHERE)."""
-    if tt.instances is None:
-        return tt.col("workflow_type", t)
-    assert tt.mapping.instances is not None
-    inst = tt.instances
-    return (
-        sa.select(inst.c[tt.mapping.instances.workflow_type])
-        .where(inst.c[tt.mapping.instances.id] == tt.col("instance_id", t))
-        .scalar_subquery()
-    )
 
 
 def in_percentage(tt: TaskTable, t: sa.FromClause, flag: Flag) -> sa.ColumnElement[bool]:

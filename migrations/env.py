@@ -1,4 +1,9 @@
-"""Alembic environment for pollbridge: online only, on the engine handed over by bridge.db.migrate."""
+"""Alembic environment for pollbridge: online only, on the engine handed over by bridge.db.migrate.
+
+Alembic loads this file and ``versions/*.py`` by path, from the repository's ``migrations/`` in a
+checkout or from ``pollbridge/migrations/`` in an installed wheel (``bridge.db.migrate.script_location``);
+nothing imports them as a package.
+"""
 
 from __future__ import annotations
 

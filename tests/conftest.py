@@ -17,11 +17,11 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
-from support import clear_redis_namespace
 
 from bridge.app import install
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
+from tests.support import clear_redis_namespace
 
 PG_ADMIN_URL = os.environ.get("POLLBRIDGE_TEST_PG_URL", "postgresql://root@127.0.0.1:5432/postgres")
 REQUIRE_SERVICES = os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1"

@@ -28,7 +28,7 @@ from bridge.app import install
 from bridge.core.errors import WorkloadError
 from bridge.core.settings import GateSettings, Settings
 from bridge.core.urls import mask_url
-from bridge.db.engine import StatementCounter, check_connection, create_engine, db_now, read_only
+from bridge.db.engine import StatementCounter, check_connection, db_now, read_only
 from bridge.reference.oracle import Verdict, percentile, verify
 from bridge.reference.schema import is_default_mapping
 from bridge.reference.workload import TaskSpec, WorkflowSpec, demo_workload, seed
@@ -101,8 +101,8 @@ def run_demo(settings: Settings, options: DemoOptions, progress: Progress | None
              stage_started: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The whole migration on one workload: polling, dual_write (with the reconciler's report), selective 50%,
     cutover and a rollback, a fresh slice of the workload in each, every component in this process."""
+    from bridge.app.components import Components
     from bridge.app.runall import Stack, StackOptions
-    from bridge.flags.store import FlagStore
     from bridge.reconcile.report import build_report
     from bridge.rollout.promotion import rollback
 
@@ -117,13 +117,14 @@ def run_demo(settings: Settings, options: DemoOptions, progress: Progress | None
     stages = _split(specs, len(STAGES))
     types = sorted({spec.workflow_type for spec in specs})
 
-    observer = create_engine(settings.database_url)
+    components = Components(settings)
+    observer = components.engine()
     try:
         check_connection(observer)
         install.init(observer, demo_schema=is_default_mapping(settings.mapping), mapping=settings.mapping,
                      capture=settings.capture)
         tables = reflect_tables(observer, settings.mapping)
-        store = FlagStore(observer, default_grace=settings.router.grace)
+        store = components.flag_store(observer)
         rollback(store, types, reason="demo: start from polling", actor="demo")
         stack = Stack(settings, StackOptions(poll_interval=options.poll_interval, demo_workers=True,
                                              count_statements=True, worker_seed=options.seed))

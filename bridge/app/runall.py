@@ -1,10 +1,11 @@
 """Every component in one process: relay, event scheduler, poller (with its safety sweep), guardian and,
 optionally, the demo workers — for the embedded default and small deployments (``pollbridge run-all``).
 
-Each component keeps its own engine (so its statements can be counted apart, and a slow one cannot
-starve another's connections) and its own thread; all of them follow one :class:`FlagRouter`. In
-production each is its own command (``relay run``, ``scheduler run``, ``poller run``, ``guardian run``),
-so that each can be restarted, scaled and watched on its own.
+Every component is built by :class:`bridge.app.components.Components`. Each keeps its own engine (so
+its statements can be counted apart, and a slow one cannot starve another's connections) and its own
+thread; all of them follow one :class:`FlagRouter`. In production each is its own command (``relay
+run``, ``scheduler run``, ``poller run``, ``guardian run``), so that each can be restarted, scaled and
+watched on its own.
 
 A component that raises is logged and restarted after a pause (each loop already retries its own
 transient failures), so one failing part never stops the others; :meth:`Stack.stop` stops them all
@@ -21,17 +22,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
-from bridge.bus import EventBus, open_bus
-from bridge.capture.relay import Relay
+from bridge.app.components import Components
+from bridge.bus.base import EventBus
 from bridge.core.phases import EventRouter, FixedRouter
 from bridge.core.settings import Settings
-from bridge.db.engine import StatementCounter, check_connection, create_engine
+from bridge.db.engine import StatementCounter, check_connection
 from bridge.flags.router import FlagRouter
-from bridge.flags.store import FlagStore
-from bridge.rollout.guardian import Guardian
 from bridge.tasktable.tables import TaskTable, reflect_tables
-from event_scheduler.scheduler import EventScheduler
-from legacy_poller.poller import LegacyPoller
 from legacy_poller.runner import PollerRunner
 from legacy_poller.workers import WorkerPool
 
@@ -58,6 +55,7 @@ class Stack:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
+        self.components = Components(self.settings)
         self.engines: dict[str, Engine] = {}
         self.counters: dict[str, StatementCounter] = {}
         self.buses: list[EventBus] = []
@@ -68,7 +66,7 @@ class Stack:
         self.router: FlagRouter | None = None
 
     def _engine(self, component: str, pool_size: int = 5) -> Engine:
-        engine = create_engine(self.settings.database_url, pool_size=pool_size)
+        engine = self.components.engine(pool_size=pool_size)
         if self.options.count_statements:
             counter = StatementCounter()
             counter.attach(engine)
@@ -77,37 +75,30 @@ class Stack:
         return engine
 
     def _bus(self, engine: Engine) -> EventBus:
-        s = self.settings
-        bus = open_bus(s.bus_url, engine=engine, partitions=s.bus.partitions, namespace=s.bus.namespace)
+        bus = self.components.bus(engine)
         self.buses.append(bus)
         return bus
 
     def start(self) -> Stack:
         s = self.settings
+        c = self.components
         main = self._engine("router")
         check_connection(main)
         tables: TaskTable = reflect_tables(main, s.mapping)
         self.tables = tables
-        self.router = FlagRouter(FlagStore(main, default_grace=s.router.grace),
-                                 refresh_interval=s.router.refresh_interval,
-                                 fallback_interval=s.router.fallback_interval, registry=self.registry).start()
+        self.router = c.flag_router(main, registry=self.registry).start()
         router: EventRouter = (FixedRouter(self.options.scheduler_phase)  # type: ignore[arg-type]
                                if self.options.scheduler_phase else self.router)
 
         relay_engine = self._engine("relay")
-        self.relay = Relay(relay_engine, self._bus(relay_engine), s.relay, statuses=s.mapping.statuses,
-                           wake=s.capture.wake, registry=self.registry)  # type: ignore[arg-type]
+        self.relay = c.relay(relay_engine, self._bus(relay_engine), registry=self.registry)
         sched_engine = self._engine("scheduler")
-        self.scheduler = EventScheduler(sched_engine, tables, self._bus(sched_engine), s.scheduler, router,
-                                        visibility_timeout=s.bus.visibility_timeout, registry=self.registry)
+        self.scheduler = c.scheduler(sched_engine, tables, self._bus(sched_engine), router, registry=self.registry)
         self.router.on_event_share_growth(self.scheduler.request_catch_up)
         poller_engine = self._engine("poller")
-        self.poller = LegacyPoller(poller_engine, tables, batch_size=s.poller.batch_size, registry=self.registry,
-                                   router=self.router)
+        self.poller = c.poller(poller_engine, tables, self.router, registry=self.registry)
         guardian_engine = self._engine("guardian")
-        self.guardian = Guardian(guardian_engine, s.guardian, bus=self._bus(guardian_engine), group=s.scheduler.group,
-                                 store=FlagStore(guardian_engine, default_grace=s.router.grace),
-                                 registry=self.registry)
+        self.guardian = c.guardian(guardian_engine, bus=self._bus(guardian_engine), registry=self.registry)
 
         self._spawn("relay", self.relay.run)
         self._spawn("scheduler", self.scheduler.run)
@@ -117,8 +108,7 @@ class Stack:
         self.runner.start()
         if self.options.demo_workers:
             worker_engine = self._engine("workers", pool_size=s.workers.concurrency + 1)
-            self.workers = WorkerPool(worker_engine, tables, s.workers, registry=self.registry,
-                                      seed=self.options.worker_seed)
+            self.workers = c.workers(worker_engine, tables, registry=self.registry, seed=self.options.worker_seed)
             self.workers.start()
         return self
 

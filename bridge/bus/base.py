@@ -41,6 +41,21 @@ The contract, for every implementation:
   no consumer group: nothing becomes pending and no group's offset or lag moves, so a reader that
   only tails (the SSE feed of ``pollbridge serve``) can never take an entry from the scheduler.
   Within a partition, :func:`entry_order` sorts entry ids in publish order.
+* **Looking up one event (read-only).** ``delivery_states(group, events)`` answers, per
+  :class:`EventRef`, where that event is for ``group`` as an :class:`EventDelivery`:
+  ``not_found`` (not on the bus, or not where the bounded search looked: ``detail`` says which
+  it may be), ``undelivered`` (on the bus, never read by the group, or the group does not exist),
+  ``pending`` (read, not acknowledged: ``consumer`` and ``deliveries``, the delivery count),
+  ``acknowledged`` or ``dead_lettered`` (the group dead-lettered it: ``reason``; it wins over
+  ``pending`` should a crash leave it both). An event published more than once is looked up by
+  its earliest entry found. Nothing is read through a group: no offset, lag or pending entry moves.
+  ``delivery_state(group, event)`` is the same for one event. A backend that cannot tell raises
+  ``NotImplementedError``.
+* **dead_letter_count()** is how many dead letters the bus holds (all groups), without listing them.
+* **Partition leases beside the bus.** ``leases()`` returns a :class:`BusLeases` when the bus keeps
+  the event scheduler's partition leases itself (atomic on its server, by its clock: Redis), or
+  ``None`` (the embedded bus): the scheduler then keeps them in its database. The scheduler's
+  store over it is ``event_scheduler.leases.BusPartitionLeases``.
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy.engine import Connection
 
@@ -88,6 +104,88 @@ class DeadLetter:
     partition: int
     payload: str
     reason: str
+
+
+#: The states :meth:`EventBus.delivery_states` answers (see the contract).
+NOT_FOUND = "not_found"
+UNDELIVERED = "undelivered"
+PENDING = "pending"
+ACKNOWLEDGED = "acknowledged"
+DEAD_LETTERED = "dead_lettered"
+DELIVERY_STATES = (NOT_FOUND, UNDELIVERED, PENDING, ACKNOWLEDGED, DEAD_LETTERED)
+
+
+@dataclass(frozen=True)
+class EventRef:
+    """One event to look up on the bus: its id, its partition key (where the bus placed it) and when it
+    was published, by the publisher's clock (``None``: unknown; a backend may use it to bound its search)."""
+
+    event_id: str
+    partition_key: str
+    published_at: datetime | None = None
+
+    @classmethod
+    def of(cls, event: CloudEvent, published_at: datetime | None = None) -> EventRef:
+        return cls(event.id, event.partitionkey, published_at)
+
+
+@dataclass(frozen=True)
+class EventDelivery:
+    """Where one event is for one consumer group (:meth:`EventBus.delivery_states`)."""
+
+    state: str  # one of DELIVERY_STATES
+    partition: int
+    entry_id: str | None = None  # None only when not_found
+    deliveries: int | None = None  # pending: how many times it was delivered
+    consumer: str | None = None  # pending: the consumer that has it
+    reason: str | None = None  # dead_lettered: the reason it was dead-lettered with
+    detail: str = ""  # not_found: why the bus may not have it
+
+
+@dataclass(frozen=True)
+class LeaseSnapshot:
+    """What a lease store records, read without writing (status, preflight, benchmarks). Times are aware
+    UTC; ``now`` is the store's clock (the bus server's, or this host's for the database store, whose
+    members write their hosts' UTC clocks)."""
+
+    now: datetime
+    members: dict[str, datetime]  # holder -> last heartbeat
+    leases: dict[int, tuple[str | None, datetime | None]]  # partition -> (holder, expires)
+
+    def live_members(self, within: float) -> dict[str, datetime]:
+        return {h: t for h, t in self.members.items() if (self.now - t).total_seconds() <= within}
+
+    def settled(self, members: int, partitions: int) -> bool:
+        """Exactly ``members`` processes registered, each holding leases, and every partition leased."""
+        holders = {h for h, _ in self.leases.values() if h}
+        leased = {p for p, (h, _) in self.leases.items() if h}
+        return len(self.members) == members == len(holders) and leased >= set(range(partitions))
+
+    def held_by(self, holders: set[str] | dict[str, datetime]) -> set[int]:
+        """Partitions leased, unexpired, by one of ``holders``."""
+        return {p for p, (h, exp) in self.leases.items()
+                if h is not None and h in holders and exp is not None and exp > self.now}
+
+
+class BusLeases(ABC):
+    """The event scheduler's partition leases kept beside the bus (:meth:`EventBus.leases`): the steps of
+    ``event_scheduler.protocols.PartitionLeaseStore``, each atomic on the bus's server and timed by its clock."""
+
+    partitions: int
+
+    @abstractmethod
+    def round(self, holder: str, ttl: float) -> set[int]:
+        """Heartbeat ``holder``, forget members silent for ``ttl`` seconds, renew ``holder``'s leases for
+        ``ttl``, give back what exceeds the fair share ``ceil(partitions / live members)`` and take free
+        or expired partitions up to it, as one atomic step. The partitions ``holder`` now holds."""
+
+    @abstractmethod
+    def release(self, holder: str) -> None:
+        """Give every lease of ``holder`` back and forget the member."""
+
+    @abstractmethod
+    def snapshot(self) -> LeaseSnapshot:
+        """Members and leases as recorded, with the server's clock as ``now`` (read only)."""
 
 
 class EventBus(ABC):
@@ -162,3 +260,21 @@ class EventBus(ABC):
 
     def partition_of(self, event: CloudEvent) -> int:
         return partition_for(event.partitionkey, self.partitions)
+
+    # ------------------------------------------------------------------ looking at the bus (read-only)
+
+    def delivery_states(self, group: str, events: Sequence[EventRef]) -> dict[str, EventDelivery]:
+        """Per event id, where each event is for ``group`` (see the contract); read-only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot tell")
+
+    def delivery_state(self, group: str, event: EventRef) -> EventDelivery:
+        """:meth:`delivery_states` for one event."""
+        return self.delivery_states(group, [event])[event.event_id]
+
+    def dead_letter_count(self) -> int:
+        """How many dead letters the bus holds (every group). By default by listing them; backends count."""
+        return len(self.dead_letters(100_000))
+
+    def leases(self) -> BusLeases | None:
+        """The scheduler's partition leases kept beside this bus, or ``None``: keep them in the database."""
+        return None

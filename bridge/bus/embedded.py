@@ -47,7 +47,19 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.elements import ColumnElement
 
-from bridge.bus.base import DeadLetter, Delivery, EventBus
+from bridge.bus.base import (
+    ACKNOWLEDGED,
+    DEAD_LETTERED,
+    NOT_FOUND,
+    PENDING,
+    UNDELIVERED,
+    DeadLetter,
+    Delivery,
+    EventBus,
+    EventDelivery,
+    EventRef,
+    partition_for,
+)
 from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.idle import idle_poll
 from bridge.db.engine import db_now, read_only
@@ -425,6 +437,66 @@ class EmbeddedBus(EventBus):
             return 0
         with self._engine.begin() as conn:
             return int(conn.execute(bus_dead.delete().where(bus_dead.c.id.in_(numeric))).rowcount)
+
+    def dead_letter_count(self) -> int:
+        with self._reader.connect() as conn:
+            n = conn.execute(sa.select(sa.func.count()).select_from(bus_dead)).scalar_one()
+            conn.rollback()
+        return int(n)
+
+    # ------------------------------------------------------------------ looking up events (read-only)
+
+    def delivery_states(self, group: str, events: Sequence[EventRef]) -> dict[str, EventDelivery]:
+        """The log rows of the events (by event id within their partition), the group's offsets, its pending
+        rows and its dead letters: four index look-ups with the lock-free reader, whatever the count."""
+        name = _group(group)
+        by_partition: dict[int, list[EventRef]] = {}
+        for ref in events:
+            by_partition.setdefault(partition_for(ref.partition_key, self.partitions), []).append(ref)
+        out: dict[str, EventDelivery] = {}
+        for partition, refs in sorted(by_partition.items()):
+            out.update(self._delivery_states(name, partition, refs))
+        return out
+
+    def _delivery_states(self, group: str, partition: int, refs: list[EventRef]) -> dict[str, EventDelivery]:
+        ids = sorted({ref.event_id[:_EVENT_ID_LENGTH] for ref in refs})
+        with self._reader.connect() as conn:
+            entries: dict[str, int] = {}
+            for row in conn.execute(sa.select(bus_log.c.id, bus_log.c.event_id)
+                                    .where(bus_log.c.partition == partition, bus_log.c.event_id.in_(ids))
+                                    .order_by(bus_log.c.id)):
+                entries.setdefault(str(row.event_id), int(row.id))  # the earliest entry of an event
+            offset = conn.execute(sa.select(bus_groups.c.last_delivered_id).where(
+                bus_groups.c.group_name == group, bus_groups.c.partition == partition)).scalar()
+            found = sorted(set(entries.values()))
+            pending = {int(r.entry_id): r for r in conn.execute(
+                sa.select(bus_pending.c.entry_id, bus_pending.c.consumer, bus_pending.c.deliveries)
+                .where(bus_pending.c.group_name == group, bus_pending.c.entry_id.in_(found)))} if found else {}
+            dead: dict[str, str] = {}
+            if found:
+                for r in conn.execute(sa.select(bus_dead.c.entry_id, bus_dead.c.reason)
+                                      .where(bus_dead.c.group_name == group, bus_dead.c.partition == partition,
+                                             bus_dead.c.entry_id.in_([str(i) for i in found]))
+                                      .order_by(bus_dead.c.id)):
+                    dead.setdefault(str(r.entry_id), str(r.reason))
+            conn.rollback()
+        out: dict[str, EventDelivery] = {}
+        for ref in refs:
+            entry = entries.get(ref.event_id[:_EVENT_ID_LENGTH])
+            if entry is None:
+                out[ref.event_id] = EventDelivery(
+                    NOT_FOUND, partition, detail="not in the embedded bus log (trimmed after retention, or published "
+                                                 "before a change of bus.partitions)")
+            elif str(entry) in dead:
+                out[ref.event_id] = EventDelivery(DEAD_LETTERED, partition, str(entry), reason=dead[str(entry)])
+            elif entry in pending:
+                p = pending[entry]
+                out[ref.event_id] = EventDelivery(PENDING, partition, str(entry), int(p.deliveries), str(p.consumer))
+            elif offset is not None and entry <= int(offset):
+                out[ref.event_id] = EventDelivery(ACKNOWLEDGED, partition, str(entry))
+            else:
+                out[ref.event_id] = EventDelivery(UNDELIVERED, partition, str(entry))
+        return out
 
     # ------------------------------------------------------------------ trimming and loss detection
 

@@ -29,6 +29,11 @@ contract in :mod:`bridge.bus.base` maps onto Redis, and why:
   So it never removes a pending or undelivered entry; a stream without groups is trimmed by age.
 * **Entry ids** are stream ids, unique per partition only: a delivery is identified by
   ``(partition, entry_id)``.
+* **delivery_states** finds an event's entry by scanning its partition stream from just before its
+  publish time (at most :data:`LOOKUP_SCAN` entries), then asks ``XINFO GROUPS`` (the group's
+  position), ``XPENDING`` (consumer and delivery count) and the newest :data:`LOOKUP_DEAD_SCAN` dead
+  letters: a few pipelined round trips per call, bounded whatever the streams hold.
+* **leases** are kept beside the streams (:mod:`bridge.bus.redis_leases`).
 * **Malformed entries** (no ``payload`` field, bytes that are not UTF-8, not a CloudEvent) are
   delivered with ``event=None`` and ``error`` set. The bus's own client does not decode replies
   (``decode_responses=False``) precisely so one non-UTF-8 entry cannot break every read.
@@ -47,8 +52,22 @@ from typing import Any, cast
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
-from bridge.bus.base import DeadLetter, Delivery, EventBus
+from bridge.bus.base import (
+    ACKNOWLEDGED,
+    DEAD_LETTERED,
+    NOT_FOUND,
+    PENDING,
+    UNDELIVERED,
+    BusLeases,
+    DeadLetter,
+    Delivery,
+    EventBus,
+    EventDelivery,
+    EventRef,
+    partition_for,
+)
 from bridge.bus.keys import FIELD_ID, FIELD_PAYLOAD, BusKeys
+from bridge.bus.redis_leases import RedisLeases
 from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.urls import mask_url
 
@@ -58,6 +77,14 @@ StreamId = tuple[int, int]
 
 #: Page size when the lag has to be counted by hand (``XINFO GROUPS`` did not know it).
 _LAG_PAGE = 1000
+
+#: Looking an event up: stream entries read, from just before its publish time, to find its entry.
+LOOKUP_SCAN = 1000
+#: Looking an event up: how far before its recorded publish time the scan starts (the publisher's clock and
+#: Redis's differ a little).
+LOOKUP_CLOCK_MARGIN_MS = 1000
+#: Looking an event up: the newest dead letters searched for its entry.
+LOOKUP_DEAD_SCAN = 200
 
 #: Appends a batch to one partition stream in one call: one round trip per partition instead of one
 #: pipelined command per event (redis-py's per-command packing and reply parsing, not Redis, was the
@@ -509,6 +536,85 @@ class RedisStreamsBus(EventBus):
             return 0
         return int(self._client.xdel(self.keys.dead, *ids))
 
+    def dead_letter_count(self) -> int:
+        return int(self._client.xlen(self.keys.dead))
+
+    # ------------------------------------------------------------------ looking up events (read-only)
+
+    def delivery_states(self, group: str, events: Sequence[EventRef]) -> dict[str, EventDelivery]:
+        name = self.keys.group(group)
+        refs = [(ref, partition_for(ref.partition_key, self.partitions)) for ref in events]
+        if not refs:
+            return {}
+        parts = sorted({p for _, p in refs})
+        pipe = self._client.pipeline(transaction=False)
+        for p in parts:
+            pipe.xinfo_groups(self.keys.stream(p))
+        for ref, p in refs:
+            start = "-" if ref.published_at is None else \
+                f"{max(0, int(ref.published_at.timestamp() * 1000) - LOOKUP_CLOCK_MARGIN_MS)}-0"
+            pipe.xrange(self.keys.stream(p), min=start, max="+", count=LOOKUP_SCAN)
+        pipe.xrevrange(self.keys.dead, max="+", min="-", count=LOOKUP_DEAD_SCAN)
+        results = pipe.execute(raise_on_error=False)
+        for result in results[len(parts):]:
+            if isinstance(result, Exception):
+                raise result
+        positions: dict[int, StreamId] = {}
+        for p, groups in zip(parts, results[:len(parts)], strict=True):
+            if isinstance(groups, ResponseError):
+                continue  # no such stream: no group either
+            if isinstance(groups, Exception):
+                raise groups
+            info = _find_group(groups, name)
+            if info is not None:
+                positions[p] = _parse_id(info.get("last-delivered-id", "0-0"))
+        entries: dict[str, str | None] = {}
+        for (ref, _), scanned in zip(refs, results[len(parts):-1], strict=True):
+            entries[ref.event_id] = next((_text(entry_id) for entry_id, fields in scanned
+                                          if _field(fields, FIELD_ID) == ref.event_id), None)
+        dead: dict[tuple[str, str], str] = {}
+        for _, fields in results[-1]:  # newest first
+            if _field(fields, "group") == name:
+                dead.setdefault((_field(fields, "partition"), _field(fields, "entry_id")), _field(fields, "reason"))
+        asks = [(ref, p, entries[ref.event_id]) for ref, p in refs
+                if entries[ref.event_id] is not None and p in positions]
+        pending: dict[str, tuple[str, int]] = {}
+        if asks:
+            pipe = self._client.pipeline(transaction=False)
+            for _, p, entry in asks:
+                pipe.xpending_range(self.keys.stream(p), name, min=entry, max=entry, count=1)
+            for (ref, _, _), result in zip(asks, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(result, ResponseError) and _is_nogroup(result):
+                    continue  # the group vanished meanwhile
+                if isinstance(result, Exception):
+                    raise result
+                for row in result or []:
+                    pending[ref.event_id] = (_text(row["consumer"]), int(row["times_delivered"]))
+        out: dict[str, EventDelivery] = {}
+        for ref, p in refs:
+            entry = entries[ref.event_id]
+            if entry is None:
+                out[ref.event_id] = EventDelivery(
+                    NOT_FOUND, p, detail=f"not among the {LOOKUP_SCAN} entries of {self.keys.stream(p)} from its "
+                                         "publish time (trimmed, the bus lost its data, or the clocks disagree)")
+            elif (str(p), entry) in dead:
+                out[ref.event_id] = EventDelivery(DEAD_LETTERED, p, entry, reason=dead[(str(p), entry)])
+            elif ref.event_id in pending:
+                consumer, times = pending[ref.event_id]
+                out[ref.event_id] = EventDelivery(PENDING, p, entry, times, consumer)
+            elif p in positions and _parse_id(entry) <= positions[p]:
+                out[ref.event_id] = EventDelivery(ACKNOWLEDGED, p, entry)
+            else:
+                out[ref.event_id] = EventDelivery(UNDELIVERED, p, entry)
+        return out
+
+    # ------------------------------------------------------------------ partition leases
+
+    def leases(self) -> BusLeases:
+        """The scheduler's leases beside the streams: one Lua script per round, Redis's clock
+        (:mod:`bridge.bus.redis_leases`)."""
+        return RedisLeases(self._client, self.keys, self.partitions)
+
     # ------------------------------------------------------------------ trimming and loss detection
 
     def trim(self, retention: float) -> int:
@@ -595,6 +701,14 @@ def _masked(url: str) -> str:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _field(fields: Any, name: str) -> str:
+    """One field of a stream entry as text (``""`` when missing), whether the client decodes replies or not."""
+    for key, value in (fields or {}).items():
+        if _text(key) == name:
+            return _text(value)
+    return ""
 
 
 def _parse_id(value: Any) -> StreamId:

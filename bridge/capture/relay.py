@@ -14,6 +14,8 @@ Bus loss: every ``epoch_check_interval`` the relay compares the bus epoch with t
 when it changed (Redis flushed or restarted without persistence) it marks every row published within
 the retention window unpublished again, so they are republished. Changes older than the retention
 window are not replayed: the scheduler's catch-up from the database and the poller fallback cover them.
+
+The statements are built in :mod:`bridge.capture.queries`; the relay only runs them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Connection, Engine
 
@@ -36,18 +37,18 @@ from bridge.bus.base import EventBus
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import read_backlog
+from bridge.capture.queries import RelayQueries
+from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
 from bridge.capture.triggers import NOTIFY_CHANNEL
 from bridge.core.backoff import Backoff
-from bridge.core.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
+from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
 from bridge.core.idle import idle_poll
 from bridge.core.mapping import StatusValues
 from bridge.core.settings import RelaySettings, WakeMode
 from bridge.core.urls import mask_url
 from bridge.db.clock import as_utc
-from bridge.db.driver import DriverStatement
-from bridge.db.engine import db_now, finds_a_row, read_only
+from bridge.db.engine import finds_a_row, read_only
 from bridge.db.listen import ListenWaiter, Waiter
-from bridge.db.schema import outbox, outbox_dead, relay_state
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +92,6 @@ def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
     )
 
 
-def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
-    """The CloudEvent JSON of an outbox row, built by the database (C speed, off the relay's GIL).
-
-    Equivalent to ``row_to_event(row).to_json()`` up to key order and whitespace; the relay uses it
-    only for rows that pass the same validation ``row_to_event`` does."""
-    o = outbox.c
-    if dialect_name == "postgresql":
-        build = sa.func.json_build_object
-        time = sa.func.to_char(sa.func.timezone("UTC", o.created_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-    else:
-        build = sa.func.json_object
-        time = sa.func.strftime("%Y-%m-%dT%H:%M:%fZ", o.created_at)
-    data = build("task_id", o.task_id, "instance_id", o.instance_id, "workflow_type", o.workflow_type,
-                 "task_key", o.task_key, "old_status", o.old_status, "new_status", o.new_status,
-                 "change", o.change, "version", o.id)
-    envelope = build("specversion", SPECVERSION, "id", o.event_id, "source", SOURCE, "type", TASK_STATUS_CHANGED,
-                     "subject", o.task_id, "time", time, "datacontenttype", "application/json",
-                     "partitionkey", o.instance_id, "depth", 0, "traceid", o.trace_id, "data", data)
-    return sa.cast(envelope, sa.Text).label("payload")
-
-
 class Relay:
     def __init__(
         self,
@@ -144,26 +124,10 @@ class Relay:
         # not ask the database every purge_interval whether anything expired.
         self._purge_due: float | None = 0.0
         self._labels = {"partition": str(partition)}
-        o = outbox.c
-        batch = (sa.select(o.id)
-                 .where(o.relay_partition == partition, o.published_at.is_(None))
-                 .order_by(o.id).limit(settings.batch_size)
-                 .with_for_update(skip_locked=True))
-        if engine.dialect.name == "postgresql":
-            # = ANY(ARRAY(subquery)) runs the LIMIT subquery once. With IN (subquery), a generic plan
-            # cached while the outbox was empty re-ran it per outbox row (measured: 14.9 s for 11k rows,
-            # and it claimed more than the batch size).
-            claim_ids: sa.ColumnElement[bool] = o.id == sa.any_(sa.func.array(batch.scalar_subquery()))
-        else:
-            claim_ids = o.id.in_(batch.scalar_subquery())
-        self._claim = (outbox.update()
-                       .where(claim_ids)
-                       .values(published_at=db_now(engine.dialect.name))
-                       .returning(*outbox.c, event_payload_sql(engine.dialect.name)))
-        self._claim_run = DriverStatement(self._claim, engine.dialect)  # once per cycle: straight to the driver
+        # The SQL, built once for this partition (bridge.capture.queries); the relay only runs it.
+        self.queries = RelayQueries.build(engine.dialect, partition, settings.batch_size)
         # SQLite: every claim is a write transaction, and one process at a time holds the write lock; reads
         # (the peek before a claim, the backlog probe) go through a deferred, lock-free transaction.
-        self._peek = sa.select(o.id).where(o.relay_partition == partition, o.published_at.is_(None)).limit(1)
         self._reader = None if self.pg else read_only(engine)
         self._valid_statuses = statuses.values() if statuses is not None else None
         ensure_state_row(engine, partition)
@@ -174,7 +138,7 @@ class Relay:
         with self._begin() as conn:
             # Claim and mark in one statement; if publishing fails the transaction rolls back and
             # the rows are unpublished again.
-            rows = self._claim_run.all(conn, {})
+            rows = self.queries.claim_run.all(conn, {})  # once per cycle: straight to the driver
             if not rows:
                 return 0
             events: list[CloudEvent] = []
@@ -195,12 +159,11 @@ class Relay:
                     dead.append((row, str(exc)))
             if events:
                 self.bus.publish_in(conn, events)
-            o = outbox.c
             if dead:
-                conn.execute(outbox_dead.insert(), [
+                conn.execute(self.queries.dead_letter(), [
                     {"outbox_id": r.id, "reason": reason, "payload": _row_json(r),
                      "created_at": datetime.now(UTC)} for r, reason in dead])
-                conn.execute(outbox.delete().where(o.id.in_([r.id for r, _ in dead])))
+                conn.execute(self.queries.delete_rows([r.id for r, _ in dead]))
         self._record(good, len(dead))
         return len(rows)
 
@@ -228,7 +191,7 @@ class Relay:
         queue behind a claim that finds nothing. This read (on the partial index of unpublished rows)
         takes no lock; a row it misses by a moment is found on the next cycle."""
         assert self._reader is not None
-        return finds_a_row(self._reader, self._peek)
+        return finds_a_row(self._reader, self.queries.peek)
 
     # --- housekeeping -------------------------------------------------------------------------------
     def probe(self) -> int:
@@ -249,12 +212,10 @@ class Relay:
         epoch = self.bus.epoch()
         if self._epoch is None:
             with self._begin() as conn:
-                self._epoch = conn.execute(sa.select(relay_state.c.bus_epoch)
-                                           .where(relay_state.c.relay_partition == self.partition)).scalar()
+                self._epoch = conn.execute(self.queries.bus_epoch()).scalar()
         if self._epoch == epoch:
             return False
         reset = self._epoch is not None
-        o = outbox.c
         with self._begin() as conn:
             # Unlike the relay's other writes, this one must not be lost in a server crash: the in-memory
             # epoch moves on after it, and a lost requeue would never be redone.
@@ -267,12 +228,8 @@ class Relay:
                 # Requeued now: created_at is "queued for publishing since", so the guardian does not read a
                 # replay of old rows as a relay stuck for as long as they are old (the replayed events carry the
                 # replay time; their trace ids and the database are unchanged).
-                count = conn.execute(outbox.update()
-                                     .where(o.relay_partition == self.partition, o.published_at.is_not(None),
-                                            o.published_at >= since)
-                                     .values(published_at=None, created_at=db_now(conn.dialect.name))).rowcount
-            conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
-                         .values(bus_epoch=epoch))
+                count = conn.execute(self.queries.requeue(since)).rowcount
+            conn.execute(self.queries.set_bus_epoch(epoch))
         self._epoch = epoch
         if reset:
             self.metrics.bus_resets.inc()
@@ -295,18 +252,14 @@ class Relay:
     def purge(self) -> int:
         """Delete published rows older than the retention window, in small batches, and trim the bus to the
         same window."""
-        o = outbox.c
         cutoff_utc = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
         cutoff = cutoff_utc if self.pg else cutoff_utc.replace(tzinfo=None)
         total = 0
         for _ in range(100):
-            ids = sa.select(o.id).where(o.published_at.is_not(None), o.published_at < cutoff,
-                                        o.relay_partition == self.partition).limit(self.settings.purge_batch)
             with self._begin() as conn:
-                n = conn.execute(outbox.delete().where(o.id.in_(ids.scalar_subquery()))).rowcount
+                n = conn.execute(self.queries.purge(cutoff, self.settings.purge_batch)).rowcount
                 if n < self.settings.purge_batch:
-                    oldest = as_utc(conn.execute(sa.select(sa.func.min(o.published_at)).where(
-                        o.published_at.is_not(None), o.relay_partition == self.partition)).scalar_one())
+                    oldest = as_utc(conn.execute(self.queries.oldest_published()).scalar_one())
             total += n
             if n < self.settings.purge_batch:
                 self._purge_due = None if oldest is None else time.monotonic() + max(
@@ -322,8 +275,7 @@ class Relay:
         if armed == self._armed:
             return
         with self._begin() as conn:
-            conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
-                         .values(armed=armed))
+            conn.execute(self.queries.set_armed(armed))
         self._armed = armed
 
     @contextmanager

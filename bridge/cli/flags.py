@@ -15,25 +15,25 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from sqlalchemy.engine import Engine
 
+from bridge.app.components import Components
+from bridge.cli.common import JSON_OPTION, components_of
 from bridge.core.errors import FlagError, GateRefused
 from bridge.core.phases import PHASES, Flag
 from bridge.db.engine import check_connection, create_engine, read_only
-from bridge.flags.store import FlagChange, FlagStore, describe, validate_type_name
+from bridge.flags.store import FlagChange, describe, validate_type_name
 from bridge.reconcile.gate import GateResult
 from bridge.rollout.promotion import default_actor, rollback, set_phase
 from bridge.tasktable.tables import TaskTable, reflect_tables
 
-JSON_OPTION = click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
-                           help="Machine-readable output.")
 ACTOR_OPTION = click.option("--actor", default=None, envvar="POLLBRIDGE_ACTOR", show_envvar=True,
                             help="Who makes the change [default: the operating-system user].")
 
 
-def _settings(ctx: click.Context) -> Any:
-    from bridge.cli.main import settings_of
-
-    return settings_of(ctx)
+def _engine(components: Components) -> Engine:
+    # Not components.engine(): create_engine is looked up in this module, so a test can cut its connections.
+    return create_engine(components.settings.database_url)
 
 
 def _known_types(engine: Any, tt: TaskTable) -> list[str]:
@@ -60,11 +60,12 @@ def flags() -> None:
 @click.pass_context
 def flags_list(ctx: click.Context, as_json: bool) -> None:
     """Every workflow type with its phase (types seen in the task table without a flag are polling)."""
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    settings = components.settings
+    engine = _engine(components)
     try:
         check_connection(engine)
-        store = FlagStore(engine, default_grace=settings.router.grace)
+        store = components.flag_store(engine)
         stored = store.all()
         tt = reflect_tables(engine, settings.mapping)
         rows = [(stored[name], "flag") if name in stored else (Flag(name, grace_seconds=settings.router.grace),
@@ -130,11 +131,12 @@ def flags_set(ctx: click.Context, workflow_type: str, phase: str, percent: float
     if not (reason or "").strip():
         raise FlagError("a reason is required (--reason): every flag change is audited with why it was made")
     parsed = _parse_thresholds(thresholds)
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    settings = components.settings
+    engine = _engine(components)
     try:
         check_connection(engine)
-        store = FlagStore(engine, default_grace=settings.router.grace)
+        store = components.flag_store(engine)
         tt = reflect_tables(engine, settings.mapping)
         if workflow_type not in store.all() and workflow_type not in _known_types(engine, tt) and not force:
             raise FlagError(f"unknown workflow type {workflow_type!r}: no task of that type in "
@@ -186,11 +188,11 @@ def flags_history(ctx: click.Context, workflow_type: str | None, limit: int, as_
     """The audit trail: every flag change with actor, reason, old and new value, time."""
     if workflow_type is not None:
         validate_type_name(workflow_type)
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    engine = _engine(components)
     try:
         check_connection(engine)
-        changes = FlagStore(engine).history(workflow_type, limit=limit)
+        changes = components.flag_store(engine).history(workflow_type, limit=limit)
     finally:
         engine.dispose()
     if as_json:
@@ -222,11 +224,11 @@ def rollback_cmd(ctx: click.Context, workflow_type: str | None, all_types: bool,
         validate_type_name(workflow_type)
     if not (reason or "").strip():
         raise FlagError("a reason is required (--reason): every flag change is audited with why it was made")
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    engine = _engine(components)
     try:
         check_connection(engine)
-        store = FlagStore(engine, default_grace=settings.router.grace)
+        store = components.flag_store(engine)
         changes = rollback(store, None if all_types else [workflow_type or ""], reason=reason or "",
                            actor=actor or default_actor())
     finally:

@@ -12,66 +12,36 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 import click
 from sqlalchemy.engine import Engine
 
-from bridge.bus.base import EventBus
-from bridge.core.errors import ConfigError, FlagStoreUnavailable
+from bridge.app.components import OptionalBus
+from bridge.cli.common import JSON_OPTION, components_of, stop_on_signals
+from bridge.core.errors import FlagStoreUnavailable
 from bridge.core.runtime import settle_heap
-from bridge.core.settings import Settings
 from bridge.core.urls import mask_url
-from bridge.db.engine import check_connection, create_engine
-from bridge.flags.store import FlagStore
+from bridge.db.engine import check_connection
 from bridge.rollout.guardian import CheckReport, Guardian
 
 log = logging.getLogger(__name__)
 
-#: Seconds a Redis call of the guardian may take: a hung bus must not delay the outbox and miss-rate checks.
-BUS_TIMEOUT = 5.0
-
-JSON_OPTION = click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
-                           help="Machine-readable output.")
-
-
-def _settings(ctx: click.Context) -> Settings:
-    from bridge.cli.main import settings_of  # late: bridge.cli.main imports this module when registering
-
-    return settings_of(ctx)
-
-
-def _open_bus(settings: Settings, engine: Engine) -> tuple[EventBus | None, str]:
-    """The bus and its label for logs; ``(None, why)`` when it cannot be opened (the lag is then unknown)."""
-    from bridge.bus import open_bus
-    from bridge.core.urls import bus_scheme
-
-    label = mask_url(settings.bus_url)
-    options: dict[str, Any] = {} if bus_scheme(settings.bus_url) == "embedded" else {"socket_timeout": BUS_TIMEOUT}
-    try:
-        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
-                       namespace=settings.bus.namespace, **options)
-    except ConfigError:
-        raise  # bad input is a usage error, not an outage
-    except Exception as exc:
-        return None, f"bus {label} could not be opened ({exc})"
-    return bus, f"bus {label}"
-
 
 def _guardian(ctx: click.Context, engine: Engine, interval: float | None, registry: Any = None
-              ) -> tuple[Guardian, EventBus | None]:
-    settings = _settings(ctx)
+              ) -> tuple[Guardian, OptionalBus]:
+    """The guardian and its bus (optional: when it cannot be opened, the lag is unknown)."""
+    components = components_of(ctx)
     check_connection(engine)
-    store = FlagStore(engine, default_grace=settings.router.grace)
+    store = components.flag_store(engine)
     try:
         store.all()  # fail at start (one line, exit 1) when pollbridge is not installed in this database
     except FlagStoreUnavailable as exc:
         raise FlagStoreUnavailable(f"{exc} (is pollbridge installed in this database? `pollbridge init`)") from None
-    bus, label = _open_bus(settings, engine)
-    guardian_settings = replace(settings.guardian, interval=interval) if interval else settings.guardian
-    return Guardian(engine, guardian_settings, bus=bus, group=settings.scheduler.group, store=store,
-                    registry=registry, bus_label=label), bus
+    bus = components.optional_bus(engine)
+    label = f"bus {bus.label}" if bus.error is None else bus.error
+    return components.guardian(engine, bus=bus.bus, store=store, registry=registry, bus_label=label,
+                               interval=interval), bus
 
 
 @click.group()
@@ -90,18 +60,17 @@ def guardian_run(ctx: click.Context, interval: float | None, metrics_port: int |
     """Check every INTERVAL seconds and demote failing types to polling, until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.cli.main import _stop_on_signals
-
-    settings = _settings(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
-    engine = create_engine(settings.database_url)
-    bus = None
+    components = components_of(ctx)
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = components.engine()
+    bus: OptionalBus | None = None
     try:
         registry = CollectorRegistry()
         guard, bus = _guardian(ctx, engine, interval, registry)
         if metrics_port is not None:
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-        click.echo(f"guardian checking every {guard.settings.interval:g} s on {mask_url(settings.database_url)}, "
+        click.echo(f"guardian checking every {guard.settings.interval:g} s on "
+                   f"{mask_url(components.settings.database_url)}, "
                    f"lag of group {guard.group} on {guard.bus_label}", err=True)
         settle_heap()
         guard.run(stop)
@@ -124,9 +93,8 @@ def guardian_run(ctx: click.Context, interval: float | None, metrics_port: int |
 def guardian_check(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
     """Run one check: print each criterion's measured figure and demote (or with --dry-run, name) the
     types that tripped one."""
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
-    bus = None
+    engine = components_of(ctx).engine()
+    bus: OptionalBus | None = None
     try:
         guard, bus = _guardian(ctx, engine, None)
         report = guard.check_once(act=not dry_run)

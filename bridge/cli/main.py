@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
-from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import click
 from rich.console import Console
@@ -22,53 +19,27 @@ from rich.table import Table
 
 from bridge import __version__
 from bridge.app import install
-from bridge.core.errors import PollbridgeError, first_line
+from bridge.cli.common import (
+    JSON_OPTION,
+    PollbridgeGroup,
+    bus_error,
+    components_of,
+    err_console,
+    fail,
+    settings_of,
+    stop_on_signals,
+)
+from bridge.cli.flags import flags, rollback_cmd
+from bridge.cli.guardian import guardian
+from bridge.cli.observe import explain, metrics, status
+from bridge.cli.preflight import preflight
+from bridge.cli.reconcile import reconcile
+from bridge.cli.runall import run_all
+from bridge.cli.serve import serve
 from bridge.core.runtime import enable_stack_dumps, settle_heap
-from bridge.core.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL, Settings, load_settings
+from bridge.core.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL
 from bridge.core.urls import mask_url
-from bridge.db.engine import check_connection, create_engine
-
-F = TypeVar("F", bound=Callable[..., Any])
-err_console = Console(stderr=True)
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"pollbridge: error: {message}", err=True)
-    sys.exit(code)
-
-
-class PollbridgeGroup(click.Group):
-    """Turns :class:`PollbridgeError` into a one-line message and its exit code."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except PollbridgeError as exc:
-            fail(str(exc), exc.exit_code)
-        except Exception as exc:
-            # An outage in the middle of a command (a connection terminated, Redis gone) is one line, exit 1;
-            # the text of the error never carries the password, and any URL in it is masked.
-            import redis
-            from sqlalchemy.exc import OperationalError
-
-            if not isinstance(exc, OperationalError | redis.RedisError):
-                raise
-            reason = first_line(exc)
-            fail(f"{'database' if isinstance(exc, OperationalError) else 'bus'} error: {_mask_urls(reason)}", 1)
-
-
-def _mask_urls(text: str) -> str:
-    import re
-
-    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: mask_url(m.group(0)), text)
-
-
-def settings_of(ctx: click.Context) -> Settings:
-    obj = ctx.find_root().obj
-    if obj.get("settings") is None:
-        obj["settings"] = load_settings(obj["config"], database_url=obj["database_url"], bus_url=obj["bus_url"])
-    settings: Settings = obj["settings"]
-    return settings
+from bridge.db.engine import check_connection
 
 
 @click.group(cls=PollbridgeGroup, context_settings={"show_default": True, "max_content_width": 110})
@@ -98,7 +69,7 @@ def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_ur
 def init(ctx: click.Context, demo_schema: bool) -> None:
     """Install pollbridge's own objects (idempotent)."""
     settings = settings_of(ctx)
-    engine = create_engine(settings.database_url)
+    engine = components_of(ctx).engine()
     try:
         result = install.init(engine, demo_schema=demo_schema, mapping=settings.mapping, capture=settings.capture)
     finally:
@@ -123,7 +94,7 @@ def uninstall(ctx: click.Context, yes: bool) -> None:
     settings = settings_of(ctx)
     if not yes and not click.confirm(f"Remove pollbridge's objects from {mask_url(settings.database_url)}?"):
         fail("aborted: nothing removed", 1)
-    engine = create_engine(settings.database_url)
+    engine = components_of(ctx).engine()
     try:
         dropped = install.uninstall(engine)
     finally:
@@ -132,25 +103,24 @@ def uninstall(ctx: click.Context, yes: bool) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
-              help="Machine-readable output.")
+@JSON_OPTION
 @click.pass_context
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check connectivity, the mapping against the real tables, migrations and DAGs. Exit 1 on a failure."""
-    from bridge.rollout.doctor import run_checks
+    from bridge.rollout.doctor import to_json
 
-    settings = settings_of(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    engine = components.engine()
     try:
-        checks = run_checks(engine, settings)
+        checks = components.doctor(engine)
     finally:
         engine.dispose()
-    ok = all(c.ok for c in checks)
+    ok = all(c.passed for c in checks)
     if as_json:
-        click.echo(json.dumps({"ok": ok, "checks": [c.__dict__ for c in checks]}, indent=2))
+        click.echo(json.dumps(to_json(checks), indent=2))
     else:
         for c in checks:
-            click.echo(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+            click.echo(f"[{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
     sys.exit(0 if ok else 1)
 
 
@@ -256,18 +226,6 @@ def _print_demo(s: dict[str, Any]) -> None:
         console.print(f"[red]problem:[/red] {problem}")
 
 
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: Any) -> None:
-        logging.getLogger("pollbridge").info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
-
-
 @cli.group()
 def poller() -> None:
     """The reference legacy poller."""
@@ -290,15 +248,13 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
     SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.flags.router import FlagRouter
-    from bridge.flags.store import FlagStore
     from bridge.tasktable.tables import reflect_tables
-    from legacy_poller.poller import LegacyPoller
     from legacy_poller.runner import PollerRunner
 
-    settings = settings_of(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    settings = components.settings
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = components.engine()
     router = None
     try:
         check_connection(engine)
@@ -306,11 +262,8 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
         registry = CollectorRegistry()
         if metrics_port is not None:
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-        router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
-                            refresh_interval=settings.router.refresh_interval,
-                            fallback_interval=settings.router.fallback_interval, registry=registry).start()
-        poller_ = LegacyPoller(engine, tables, batch_size=settings.poller.batch_size, registry=registry,
-                               router=router)
+        router = components.flag_router(engine, registry=registry).start()
+        poller_ = components.poller(engine, tables, router, registry=registry)
         every = interval or settings.poller.interval
         sweep_every = sweep_interval or settings.router.sweep_interval
         click.echo(f"poller {'sweeping' if sweep_only else 'scanning'} {settings.mapping.table} every "
@@ -342,22 +295,18 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
     """Publish captured changes to the bus until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.bus import open_bus
-    from bridge.capture.relay import Relay
-
-    settings = settings_of(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    settings = components.settings
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = components.engine()
     bus = None
     try:
         check_connection(engine)
-        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
-                       namespace=settings.bus.namespace)
+        bus = components.bus(engine)
         registry = CollectorRegistry()
         if metrics_port is not None:
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-        relay_ = Relay(engine, bus, settings.relay, statuses=settings.mapping.statuses, partition=partition,
-                       wake=settings.capture.wake, registry=registry)  # type: ignore[arg-type]
+        relay_ = components.relay(engine, bus, partition=partition, registry=registry)
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
         settle_heap()
@@ -387,23 +336,20 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
     """Consume task events and dispatch ready tasks, until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.bus import open_bus
     from bridge.core.phases import EventRouter, FixedRouter
     from bridge.flags.router import FlagRouter
-    from bridge.flags.store import FlagStore
     from bridge.tasktable.tables import reflect_tables
-    from event_scheduler.scheduler import EventScheduler
 
-    settings = settings_of(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    settings = components.settings
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = components.engine()
     bus = None
-    flag_router = None
+    flag_router: FlagRouter | None = None
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
-        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
-                       namespace=settings.bus.namespace)
+        bus = components.bus(engine)
         registry = CollectorRegistry()
         if metrics_port is not None:
             start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
@@ -412,16 +358,12 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
         if fixed is not None:
             router = FixedRouter(fixed)  # type: ignore[arg-type]
         else:
-            flag_router = FlagRouter(FlagStore(engine, default_grace=settings.router.grace),
-                                     refresh_interval=settings.router.refresh_interval,
-                                     fallback_interval=settings.router.fallback_interval,
-                                     registry=registry).start()
+            flag_router = components.flag_router(engine, registry=registry).start()
             router = flag_router
         try:
-            sched = EventScheduler(engine, tables, bus, settings.scheduler, router,
-                                   visibility_timeout=settings.bus.visibility_timeout, registry=registry)
+            sched = components.scheduler(engine, tables, bus, router, registry=registry)
         except Exception as exc:  # the bus is down at start: one line, exit 1 (a supervisor restarts us)
-            _bus_error(ctx, exc)
+            bus_error(ctx, exc)
             raise
         if flag_router is not None:
             flag_router.on_event_share_growth(sched.request_catch_up)
@@ -454,11 +396,11 @@ def signal_(ctx: click.Context, task_id: str, kind: str, payload: str | None, ac
     from bridge.tasktable.tables import reflect_tables
     from event_scheduler.signals import record_signal
 
-    settings = settings_of(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    engine = components.engine()
     try:
         check_connection(engine)
-        tables = reflect_tables(engine, settings.mapping)
+        tables = reflect_tables(engine, components.settings.mapping)
         result = record_signal(engine, tables, task_id, kind, payload=payload, actor=actor)
     finally:
         engine.dispose()
@@ -472,30 +414,16 @@ def dlq() -> None:
 
 
 def _open_bus_of(ctx: click.Context) -> tuple[Any, Any]:
-    from bridge.bus import open_bus
-
-    settings = settings_of(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    engine = components.engine()
     check_connection(engine)
-    return engine, open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
-                            namespace=settings.bus.namespace)
-
-
-def _bus_error(ctx: click.Context, exc: BaseException) -> None:
-    """A bus that cannot be reached (refused, TLS to a plain server, timeout) is one line, exit 1."""
-    import redis
-
-    if isinstance(exc, redis.RedisError | OSError):
-        url = mask_url(settings_of(ctx).bus_url)
-        reason = first_line(exc)
-        fail(f"cannot reach the bus {url}: {reason}", 1)
+    return engine, components.bus(engine)
 
 
 @dlq.command("list")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, envvar="POLLBRIDGE_DLQ_LIMIT",
               show_envvar=True, help="Most entries to show.")
-@click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
-              help="Machine-readable output.")
+@JSON_OPTION
 @click.pass_context
 def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
     """List dead letters with their reasons."""
@@ -503,7 +431,7 @@ def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
     try:
         letters = bus.dead_letters(limit)
     except Exception as exc:
-        _bus_error(ctx, exc)
+        bus_error(ctx, exc)
         raise
     finally:
         bus.close()
@@ -549,7 +477,7 @@ def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> No
         bus.publish(events)
         bus.remove_dead_letters(chosen)
     except Exception as exc:
-        _bus_error(ctx, exc)
+        bus_error(ctx, exc)
         raise
     finally:
         bus.close()
@@ -578,7 +506,7 @@ def dlq_purge(ctx: click.Context, ids: tuple[str, ...], purge_all: bool, yes: bo
             fail("aborted: nothing purged", 1)
         removed = bus.remove_dead_letters(chosen)
     except Exception as exc:
-        _bus_error(ctx, exc)
+        bus_error(ctx, exc)
         raise
     finally:
         bus.close()
@@ -600,16 +528,16 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
     from dataclasses import replace
 
     from bridge.tasktable.tables import reflect_tables
-    from legacy_poller.workers import WorkerPool
 
-    settings = settings_of(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    components = components_of(ctx)
+    settings = components.settings
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     worker_settings = replace(settings.workers, concurrency=concurrency) if concurrency else settings.workers
-    engine = create_engine(settings.database_url, pool_size=worker_settings.concurrency + 1)
+    engine = components.engine(pool_size=worker_settings.concurrency + 1)
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
-        pool = WorkerPool(engine, tables, worker_settings)
+        pool = components.workers(engine, tables, settings=worker_settings)
         click.echo(f"{worker_settings.concurrency} workers on {mask_url(settings.database_url)}", err=True)
         pool.start()
         stop.wait()
@@ -620,28 +548,9 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
         engine.dispose()
 
 
-def _register() -> None:
-    from bridge.cli.flags import flags, rollback_cmd
-
-    cli.add_command(flags)
-    cli.add_command(rollback_cmd)
-    from bridge.cli.reconcile import reconcile
-    cli.add_command(reconcile)
-    from bridge.cli.runall import run_all
-    cli.add_command(run_all)
-    from bridge.cli.guardian import guardian
-    cli.add_command(guardian)
-    from bridge.cli.observe import explain, metrics, status
-    cli.add_command(explain)
-    cli.add_command(status)
-    cli.add_command(metrics)
-    from bridge.cli.preflight import preflight
-    cli.add_command(preflight)
-    from bridge.cli.serve import serve
-    cli.add_command(serve)
-
-
-_register()
+# The subcommands defined in their own modules (each imports bridge.cli.common, never this module).
+for _command in (flags, rollback_cmd, reconcile, run_all, guardian, explain, status, metrics, preflight, serve):
+    cli.add_command(_command)
 
 
 def main() -> None:

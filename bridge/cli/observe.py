@@ -22,18 +22,13 @@ from rich.table import Table
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from bridge.bus.base import EventBus
-from bridge.core.errors import ConfigError, PollbridgeError, first_line
-from bridge.core.settings import Settings
+from bridge.app.components import Components, OptionalBus
+from bridge.cli.common import JSON_OPTION, components_of, stop_on_signals
+from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.urls import mask_url
-from bridge.db.engine import check_connection, create_engine
+from bridge.db.engine import check_connection
 from bridge.reconcile.status import DEFAULT_WINDOW
 
-#: Seconds a Redis call may take here: a hung bus must not hang a status, an explain or a scrape.
-BUS_TIMEOUT = 3.0
-
-JSON_OPTION = click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
-                           help="Machine-readable output.")
 WINDOW_OPTION = click.option("--window", type=click.FloatRange(min=0.001), default=DEFAULT_WINDOW,
                              envvar="POLLBRIDGE_STATUS_WINDOW", show_envvar=True,
                              help="Seconds of recent history the dispatch and decision counts cover.")
@@ -41,29 +36,6 @@ WINDOW_OPTION = click.option("--window", type=click.FloatRange(min=0.001), defau
 
 class ObserveError(PollbridgeError):
     """pollbridge's tables cannot be read (not installed, or the database failed mid-way). Exit 1."""
-
-
-def _settings(ctx: click.Context) -> Settings:
-    from bridge.cli.main import settings_of  # late: bridge.cli.main imports this module when registering
-
-    return settings_of(ctx)
-
-
-def open_bus_quietly(settings: Settings, engine: Engine) -> tuple[EventBus | None, str, str | None]:
-    """``(bus, masked label, why there is none)``: a bus that cannot be opened is not an error here."""
-    from bridge.bus import open_bus
-    from bridge.core.urls import bus_scheme
-
-    label = mask_url(settings.bus_url)
-    options: dict[str, Any] = {} if bus_scheme(settings.bus_url) == "embedded" else {"socket_timeout": BUS_TIMEOUT}
-    try:
-        bus = open_bus(settings.bus_url, engine=engine, partitions=settings.bus.partitions,
-                       namespace=settings.bus.namespace, **options)
-    except ConfigError:
-        raise  # bad input is a usage error, not an outage
-    except Exception as exc:
-        return None, label, f"bus {label} could not be opened: {first_line(exc)}"
-    return bus, label, None
 
 
 def _not_readable(exc: SQLAlchemyError, engine: Engine) -> ObserveError:
@@ -80,20 +52,20 @@ def _not_readable(exc: SQLAlchemyError, engine: Engine) -> ObserveError:
 def explain(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why TASK_ID was (or was not yet) triggered: its readiness facts, events, deliveries, decisions and
     dispatches across both paths, and the phase of its type at each moment."""
-    from bridge.flags.store import FlagStore
     from bridge.reconcile.explain import explain_task
     from bridge.tasktable.tables import reflect_tables
 
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
-    bus = None
+    components = components_of(ctx)
+    settings = components.settings
+    engine = components.engine()
+    bus: OptionalBus | None = None
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
-        bus, _label, bus_error = open_bus_quietly(settings, engine)
+        bus = components.optional_bus(engine)
         try:
-            story = explain_task(engine, tables, task_id, bus=bus, bus_error=bus_error, group=settings.scheduler.group,
-                                 store=FlagStore(engine, default_grace=settings.router.grace))
+            story = explain_task(engine, tables, task_id, bus=bus.bus, bus_error=bus.error,
+                                 group=settings.scheduler.group, store=components.flag_store(engine))
         except SQLAlchemyError as exc:
             raise _not_readable(exc, engine) from None
     finally:
@@ -170,13 +142,13 @@ def status(ctx: click.Context, window: float, as_json: bool) -> None:
     """The migration on one screen: per workflow type its phase and recent dispatches by path, fallback
     misses and shadow decisions; the outbox backlog, consumer lag, pending entries, dead letters,
     guardian demotions and the flag store's health."""
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
-    bus = None
+    components = components_of(ctx)
+    engine = components.engine()
+    bus: OptionalBus | None = None
     try:
         check_connection(engine)
-        bus, label, bus_error = open_bus_quietly(settings, engine)
-        state = _gather(settings, engine, bus, label, bus_error, window)
+        bus = components.optional_bus(engine)
+        state = _gather(components, engine, bus, window)
     finally:
         if bus is not None:
             bus.close()
@@ -187,14 +159,13 @@ def status(ctx: click.Context, window: float, as_json: bool) -> None:
     _print_status(state)
 
 
-def _gather(settings: Settings, engine: Engine, bus: EventBus | None, label: str, bus_error: str | None,
-            window: float) -> Any:
-    from bridge.flags.store import FlagStore
+def _gather(components: Components, engine: Engine, bus: OptionalBus, window: float) -> Any:
     from bridge.reconcile.status import gather_status
 
+    settings = components.settings
     try:
-        return gather_status(engine, bus=bus, bus_label=label, bus_error=bus_error, group=settings.scheduler.group,
-                             window=window, store=FlagStore(engine, default_grace=settings.router.grace),
+        return gather_status(engine, bus=bus.bus, bus_label=bus.label, bus_error=bus.error,
+                             group=settings.scheduler.group, window=window, store=components.flag_store(engine),
                              database_label=mask_url(settings.database_url))
     except SQLAlchemyError as exc:
         raise _not_readable(exc, engine) from None
@@ -251,20 +222,18 @@ def metrics_serve(ctx: click.Context, host: str, port: int, window: float) -> No
     """Serve /metrics (everything `status` shows, gathered on each scrape) until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.cli.main import _stop_on_signals
     from bridge.reconcile.status import StatusCollector
 
-    settings = _settings(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
-    engine = create_engine(settings.database_url)
-    bus = None
+    components = components_of(ctx)
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = components.engine()
+    bus: OptionalBus | None = None
     try:
         check_connection(engine)
-        bus, label, bus_error = open_bus_quietly(settings, engine)
-        opened = bus
+        bus = opened = components.optional_bus(engine)
 
         def gather() -> Any:
-            return _gather(settings, engine, opened, label, bus_error, window)
+            return _gather(components, engine, opened, window)
 
         registry = CollectorRegistry()
         registry.register(StatusCollector(gather))
@@ -273,8 +242,8 @@ def metrics_serve(ctx: click.Context, host: str, port: int, window: float) -> No
         except OSError as exc:
             raise ObserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         bound = server.server_address[1]
-        click.echo(f"metrics on http://{_host_text(host)}:{bound}/metrics ({mask_url(settings.database_url)}, "
-                   f"bus {label}), window {window:g} s", err=True)
+        click.echo(f"metrics on http://{_host_text(host)}:{bound}/metrics "
+                   f"({mask_url(components.settings.database_url)}, bus {opened.label}), window {window:g} s", err=True)
         try:
             stop.wait()
         finally:

@@ -12,11 +12,10 @@ import sys
 
 import click
 
+from bridge.cli.common import JSON_OPTION, components_of
 from bridge.core.phases import PHASES, Flag
-from bridge.core.settings import Settings
-from bridge.db.engine import create_engine
 from bridge.flags.store import describe
-from bridge.rollout.preflight import CHECKS, PreflightReport, run_preflight, validate_request
+from bridge.rollout.preflight import CHECKS, PreflightReport, validate_request
 
 
 def _matrix_help() -> str:
@@ -40,27 +39,20 @@ Thresholds are in [preflight] (rollback_rehearsal_days, max_backlog_age, max_lag
 heartbeat_timeouts) and [gates]."""
 
 
-def _settings(ctx: click.Context) -> Settings:
-    from bridge.cli.main import settings_of  # late: bridge.cli.main imports this module when registering
-
-    return settings_of(ctx)
-
-
 @click.command("preflight", help=HELP)
 @click.argument("phase")
 @click.option("--type", "workflow_type", required=True, envvar="POLLBRIDGE_PREFLIGHT_TYPE", show_envvar=True,
               help="The workflow type to move.")
 @click.option("--percent", type=float, default=None, envvar="POLLBRIDGE_PREFLIGHT_PERCENT", show_envvar=True,
               help="selective only: the share of instances the step would give the event path (as `flags set`).")
-@click.option("--json", "as_json", is_flag=True, envvar="POLLBRIDGE_JSON", show_envvar=True,
-              help="Machine-readable output.")
+@JSON_OPTION
 @click.pass_context
 def preflight(ctx: click.Context, phase: str, workflow_type: str, percent: float | None, as_json: bool) -> None:
     validate_request(workflow_type, phase, percent)  # bad input: exit 2 before reading the configuration
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)
+    components = components_of(ctx)
+    engine = components.engine()
     try:
-        report = run_preflight(engine, settings, workflow_type, phase, percent=percent)
+        report = components.preflight(engine, workflow_type, phase, percent=percent)
     finally:
         engine.dispose()
     if as_json:

@@ -14,21 +14,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bridge.cli.common import components_of
 from bridge.core.errors import ConfigError
 from bridge.db.clock import db_clock
-from bridge.db.engine import check_connection, create_engine
+from bridge.db.engine import check_connection
 from bridge.flags.store import validate_type_name
 from bridge.reconcile.html import render_html
 from bridge.reconcile.report import Report, build_report, parse_when
 from bridge.tasktable.tables import reflect_tables
 
 STAGES = 4  # classifying, latency percentiles, histograms, mismatches
-
-
-def _settings(ctx: click.Context) -> object:
-    from bridge.cli.main import settings_of
-
-    return settings_of(ctx)
 
 
 @click.command("reconcile")
@@ -54,8 +49,9 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
     """Compare what the poller and the event path did for every task that became ready in the window."""
     for name in types:
         validate_type_name(name)
-    settings = _settings(ctx)
-    engine = create_engine(settings.database_url)  # type: ignore[attr-defined]
+    components = components_of(ctx)
+    settings = components.settings
+    engine = components.engine()
     try:
         check_connection(engine)
         now = db_clock(engine)
@@ -63,7 +59,7 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
         end = parse_when(until, now) if until else now
         if end <= start:
             raise ConfigError(f"--until ({end.isoformat()}) must be after --since ({start.isoformat()})")
-        tt = reflect_tables(engine, settings.mapping)  # type: ignore[attr-defined]
+        tt = reflect_tables(engine, settings.mapping)
         show_progress = fmt == "table" or output is not None
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=Console(stderr=True), transient=True, disable=not show_progress) as bar:
@@ -73,7 +69,7 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
                 bar.update(job, description=what, advance=0 if what == "classifying" else 1)
 
             report = build_report(engine, tt, start, end, types=list(types) or None,
-                                  settings=settings.gates, control=control, now=now,  # type: ignore[attr-defined]
+                                  settings=settings.gates, control=control, now=now,
                                   mismatch_limit=limit, progress=step)
             bar.update(job, completed=STAGES)
     finally:

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from bridge.cli.common import settings_of, stop_on_signals
 from bridge.core.runtime import settle_heap
 from bridge.core.urls import mask_url
 
@@ -24,10 +25,9 @@ def run_all(ctx: click.Context, demo_workers: bool, poll_interval: float | None,
     from prometheus_client import start_http_server
 
     from bridge.app.runall import Stack, StackOptions
-    from bridge.cli.main import _stop_on_signals, settings_of
 
     settings = settings_of(ctx)
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
     stack = Stack(settings, StackOptions(poll_interval=poll_interval, demo_workers=demo_workers))
     if metrics_port is not None:
         start_http_server(metrics_port, addr="127.0.0.1", registry=stack.registry)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
+from bridge.app.components import OptionalBus
+from bridge.cli.common import components_of, stop_on_signals
 from bridge.core.urls import mask_url
-from bridge.db.engine import check_connection, create_engine
+from bridge.db.engine import check_connection
 
 
 @click.command("serve", epilog="The webhook's shared secret comes from the environment variable "
@@ -23,25 +25,25 @@ def serve(ctx: click.Context, host: str | None, port: int | None) -> None:
     """Serve POST /signals/{task_id} (HMAC-signed), GET /instances/{id}/events and
     GET /types/{type}/events (Server-Sent Events from the bus, resumable with Last-Event-ID),
     GET /tasks/{id}, GET /healthz and GET /metrics, until SIGTERM or Ctrl-C (exit 0)."""
-    from bridge.cli.main import _stop_on_signals, settings_of
-    from bridge.cli.observe import open_bus_quietly
     from bridge.serve.app import BackgroundServer, ServeApp, ServeContext, ServeError, resolve_secret
     from bridge.tasktable.tables import reflect_tables
 
-    settings = settings_of(ctx)
+    components = components_of(ctx)
+    settings = components.settings
     secret = resolve_secret(settings)
     host = host if host is not None else settings.serve.host
     port = port if port is not None else settings.serve.port
-    stop = _stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
-    engine = create_engine(settings.database_url)
-    bus = None
+    stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
+    engine = components.engine()
+    bus: OptionalBus | None = None
     try:
         check_connection(engine)
         tables = reflect_tables(engine, settings.mapping)
-        bus, label, bus_error = open_bus_quietly(settings, engine)
-        app = ServeApp(ServeContext(settings, engine, tables, bus, secret, bus_label=label, bus_error=bus_error))
+        bus = components.optional_bus(engine)
+        app = ServeApp(ServeContext(settings, engine, tables, bus.bus, secret, bus_label=bus.label,
+                                    bus_error=bus.error, store=components.flag_store(engine)))
         server = BackgroundServer(app, host, port).start()
-        click.echo(f"serving on {server.url} ({mask_url(settings.database_url)}, bus {label}); signals "
+        click.echo(f"serving on {server.url} ({mask_url(settings.database_url)}, bus {bus.label}); signals "
                    f"{'enabled' if secret else 'disabled (no POLLBRIDGE_SIGNAL_SECRET)'}", err=True)
         try:
             while not stop.wait(0.5):

@@ -11,9 +11,10 @@
 * **the outbox events** of the task (event id, change, old/new status, trace id, created/published
   times, relay partition) and, where the bus can tell, their **delivery** to the scheduler's consumer
   group: ``unpublished``, ``undelivered`` (on the bus, not read yet), ``pending`` (delivered, not
-  acknowledged), ``acknowledged``, ``dead_lettered`` or ``unknown`` (with why). The look-ups are
-  bounded: only the latest :data:`DELIVERY_LOOKUPS` events, and on Redis only the
-  :data:`REDIS_SCAN` stream entries from just before the event was published;
+  acknowledged), ``acknowledged``, ``dead_lettered`` or ``unknown`` (with why), as the bus answers
+  :meth:`bridge.bus.base.EventBus.delivery_states`. The look-ups are bounded: only the latest
+  :data:`DELIVERY_LOOKUPS` events, and each backend bounds its own search (Redis: a scan of the
+  stream from just before the event was published);
 * **shadow decisions** of the event path (``pollbridge_decisions``) and **every dispatch** (path,
   ready time, dispatch time, latency, trace id and the captured change that trace id came from, which
   may be another task's change of the same instance: the scheduler handles an instance's events as one
@@ -40,13 +41,23 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.bus.base import EventBus, partition_for
+from bridge.bus.base import (
+    ACKNOWLEDGED,
+    DEAD_LETTERED,
+    NOT_FOUND,
+    PENDING,
+    UNDELIVERED,
+    EventBus,
+    EventDelivery,
+    EventRef,
+    partition_for,
+)
 from bridge.core.errors import FlagStoreUnavailable, PollbridgeError, first_line
 from bridge.core.phases import Flag
 from bridge.core.settings import SchedulerSettings
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_now, read_only
-from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending, decisions, dispatch_log, outbox, signals
+from bridge.db.schema import decisions, dispatch_log, outbox, signals
 from bridge.flags.store import FlagStore, describe
 from bridge.reconcile.classify import PhaseSpan, phase_spans
 from bridge.tasktable.readiness import ready_predicate, ready_since
@@ -56,10 +67,6 @@ from bridge.tasktable.tables import TaskTable
 MAX_EVENTS = 100
 #: Events whose delivery is looked up on the bus (the most recent ones); the others say "not looked up".
 DELIVERY_LOOKUPS = 10
-#: Redis: stream entries read, from just before an event's publish time, to find its entry.
-REDIS_SCAN = 1000
-#: Redis: how far before the recorded publish time the scan starts (database and Redis clocks differ a little).
-REDIS_CLOCK_MARGIN_MS = 1000
 
 ANSWER_CODES = ("dispatched", "completed", "failed_terminal", "rejected", "failed_retrying", "held_for_review",
                 "waiting_dependency", "not_due", "awaiting_signal", "not_ready", "ready_not_dispatched",
@@ -497,113 +504,36 @@ def _deliveries(engine: Engine, bus: EventBus | None, bus_error: str | None, gro
         return out
     partition = partition_for(instance_id, bus.partitions)
     try:
-        from bridge.bus.embedded import EmbeddedBus
-        from bridge.bus.redis_streams import RedisStreamsBus
-
-        if isinstance(bus, EmbeddedBus):
-            out.update(_embedded_deliveries(bus.engine, group, partition, wanted))
-        elif isinstance(bus, RedisStreamsBus):
-            out.update(_redis_deliveries(bus, group, partition, wanted))
-        else:
-            out.update({r.event_id: DeliveryState("unknown", partition, detail=f"{type(bus).__name__} cannot tell")
-                        for r in wanted})
+        found = bus.delivery_states(group, [EventRef(r.event_id, instance_id, as_utc(r.published_at))
+                                            for r in wanted])
+    except NotImplementedError:
+        out.update({r.event_id: DeliveryState("unknown", partition, detail=f"{type(bus).__name__} cannot tell")
+                    for r in wanted})
     except Exception as exc:  # an unreachable bus only makes delivery unknown
         out.update({r.event_id: DeliveryState("unknown", partition, detail=f"bus unreachable: {first_line(exc)}")
                     for r in wanted})
+    else:
+        out.update({r.event_id: _state(found[r.event_id], group) for r in wanted})
     return out
 
 
-def _embedded_deliveries(engine: Engine, group: str, partition: int, rows: Sequence[Any]) -> dict[str, DeliveryState]:
-    ids = [str(r.event_id)[:36] for r in rows]
-    with read_only(engine).connect() as conn:
-        entries = {str(e.event_id): int(e.id) for e in conn.execute(
-            sa.select(bus_log.c.id, bus_log.c.event_id)
-            .where(bus_log.c.partition == partition, bus_log.c.event_id.in_(ids)))}
-        offset = conn.execute(sa.select(bus_groups.c.last_delivered_id).where(
-            bus_groups.c.group_name == group, bus_groups.c.partition == partition)).scalar()
-        entry_ids = list(entries.values())
-        pending = {int(p.entry_id): p for p in conn.execute(
-            sa.select(bus_pending).where(bus_pending.c.group_name == group,
-                                         bus_pending.c.entry_id.in_(entry_ids)))} if entry_ids else {}
-        dead = {str(d.entry_id) for d in conn.execute(
-            sa.select(bus_dead.c.entry_id).where(bus_dead.c.group_name == group, bus_dead.c.partition == partition,
-                                                 bus_dead.c.entry_id.in_([str(i) for i in entry_ids])))} \
-            if entry_ids else set()
-        conn.rollback()
-    out: dict[str, DeliveryState] = {}
-    for r in rows:
-        entry = entries.get(str(r.event_id)[:36])
-        if entry is None:
-            out[r.event_id] = DeliveryState(
-                "unknown", partition, detail="not in the embedded bus log (trimmed after retention, or published "
-                                             "before a change of bus.partitions)")
-            continue
-        out[r.event_id] = _state(str(entry), partition, group,
-                                 delivered=offset is not None and entry <= int(offset),
-                                 pending=pending.get(entry), dead=str(entry) in dead)
-    return out
-
-
-def _state(entry: str, partition: int, group: str, *, delivered: bool, pending: Any, dead: bool) -> DeliveryState:
-    if dead:
-        return DeliveryState("dead_lettered", partition, entry, detail=f"dead-lettered by group {group} "
-                                                                       "(see `pollbridge dlq list`)")
-    if pending is not None:
-        return DeliveryState("pending", partition, entry, int(pending.deliveries), str(pending.consumer),
-                             f"delivered to {pending.consumer} of group {group}, not acknowledged")
-    if delivered:
-        return DeliveryState("acknowledged", partition, entry, detail=f"delivered to group {group} and acknowledged")
-    return DeliveryState("undelivered", partition, entry, detail=f"on the bus, not yet read by group {group}")
-
-
-def _redis_deliveries(bus: Any, group: str, partition: int, rows: Sequence[Any]) -> dict[str, DeliveryState]:
-    client = bus.client
-    stream = bus.keys.stream(partition)
-    out: dict[str, DeliveryState] = {}
-    last_delivered: tuple[int, int] | None = None
-    for info in client.xinfo_groups(stream) if client.exists(stream) else []:
-        fields = {_text(k): v for k, v in info.items()}
-        if _text(fields.get("name")) == group:
-            last_delivered = _stream_id(fields.get("last-delivered-id", "0-0"))
-    for r in rows:
-        published = as_utc(r.published_at)
-        assert published is not None
-        start_ms = max(0, int(published.timestamp() * 1000) - REDIS_CLOCK_MARGIN_MS)
-        entry = None
-        for entry_id, fields in client.xrange(stream, min=f"{start_ms}-0", max="+", count=REDIS_SCAN):
-            f = {_text(k): v for k, v in (fields or {}).items()}
-            if _text(f.get("id", b"")) == r.event_id:
-                entry = _text(entry_id)
-                break
-        if entry is None:
-            out[r.event_id] = DeliveryState(
-                "unknown", partition, detail=f"not among the {REDIS_SCAN} entries of {stream} from its publish time "
-                                             "(trimmed, the bus lost its data, or the clocks disagree)")
-            continue
-        pending = None
-        for p in client.xpending_range(stream, group, min=entry, max=entry, count=1) if last_delivered else []:
-            pending = _Pending(_text(p["consumer"]), int(p["times_delivered"]))
-        dead = False
-        if pending is None:
-            for _id, fields in client.xrevrange(bus.keys.dead, max="+", min="-", count=200):
-                f = {_text(k): _text(v) for k, v in (fields or {}).items() if _text(k) != "payload"}
-                if f.get("entry_id") == entry and f.get("partition") == str(partition) and f.get("group") == group:
-                    dead = True
-                    break
-        delivered = last_delivered is not None and _stream_id(entry) <= last_delivered
-        out[r.event_id] = _state(entry, partition, group, delivered=delivered, pending=pending, dead=dead)
-    return out
-
-
-@dataclass(frozen=True)
-class _Pending:
-    consumer: str
-    deliveries: int
-
-
-def _stream_id(value: Any) -> tuple[int, int]:
-    ms, _, seq = _text(value).partition("-")
-    return int(ms), int(seq or 0)
+def _state(d: EventDelivery, group: str) -> DeliveryState:
+    """What the bus answered, in explain's words."""
+    if d.state == NOT_FOUND:
+        return DeliveryState("unknown", d.partition, detail=d.detail)
+    if d.state == DEAD_LETTERED:
+        return DeliveryState("dead_lettered", d.partition, d.entry_id,
+                             detail=f"dead-lettered by group {group} (see `pollbridge dlq list`)")
+    if d.state == PENDING:
+        return DeliveryState("pending", d.partition, d.entry_id, d.deliveries, d.consumer,
+                             f"delivered to {d.consumer} of group {group}, not acknowledged")
+    if d.state == ACKNOWLEDGED:
+        return DeliveryState("acknowledged", d.partition, d.entry_id,
+                             detail=f"delivered to group {group} and acknowledged")
+    if d.state == UNDELIVERED:
+        return DeliveryState("undelivered", d.partition, d.entry_id,
+                             detail=f"on the bus, not yet read by group {group}")
+    return DeliveryState("unknown", d.partition, d.entry_id, detail=f"the bus answered {d.state!r}")
 
 
 # --- the answer -------------------------------------------------------------------------------------------
@@ -793,6 +723,3 @@ def _fmt_seconds(seconds: float) -> str:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
 
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -42,7 +42,7 @@ from bridge.core.phases import PHASES
 from bridge.core.settings import SchedulerSettings
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_ago, read_only
-from bridge.db.schema import bus_dead, decisions, dispatch_log, flag_audit, outbox_dead
+from bridge.db.schema import decisions, dispatch_log, flag_audit, outbox_dead
 from bridge.flags.store import FlagStore
 
 log = logging.getLogger(__name__)
@@ -226,17 +226,7 @@ def bus_status(bus: EventBus | None, label: str, group: str, bus_error: str | No
 
 def dead_letter_count(bus: EventBus) -> int:
     """How many dead letters the bus holds (a count, not a listing, where the backend allows it)."""
-    from bridge.bus.embedded import EmbeddedBus
-    from bridge.bus.redis_streams import RedisStreamsBus
-
-    if isinstance(bus, EmbeddedBus):
-        with read_only(bus.engine).connect() as conn:
-            n = conn.execute(sa.select(sa.func.count()).select_from(bus_dead)).scalar_one()
-            conn.rollback()
-        return int(n)
-    if isinstance(bus, RedisStreamsBus):
-        return int(bus.client.xlen(bus.keys.dead))
-    return len(bus.dead_letters(100_000))
+    return bus.dead_letter_count()
 
 
 # --- Prometheus -------------------------------------------------------------------------------------------

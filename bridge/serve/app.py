@@ -40,6 +40,7 @@ from bridge.core.errors import ConfigError, PollbridgeError, first_line
 from bridge.core.settings import Settings
 from bridge.core.urls import mask_url
 from bridge.db.engine import check_connection
+from bridge.flags.store import FlagStore
 from bridge.reconcile.status import DEFAULT_WINDOW, StatusCollector, gather_status
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureVerifier, TooManyRequests, Unauthorized
 from bridge.serve.metrics import HubCollector, LatencyCollector, ServeMetrics
@@ -78,6 +79,8 @@ class ServeContext:
     bus_label: str = "embedded"
     bus_error: str | None = None
     window: float = DEFAULT_WINDOW
+    #: The flag store ``/metrics`` reads (from the composition root); ``None``: the status gathering's default.
+    store: FlagStore | None = None
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -230,12 +233,9 @@ class ServeApp:
             return generate_latest(self.registry)
 
     def _gather(self) -> Any:
-        from bridge.flags.store import FlagStore
-
         c = self.context
         return gather_status(c.engine, bus=c.bus, bus_label=c.bus_label, bus_error=c.bus_error,
-                             group=c.settings.scheduler.group, window=c.window,
-                             store=FlagStore(c.engine, default_grace=c.settings.router.grace),
+                             group=c.settings.scheduler.group, window=c.window, store=c.store,
                              database_label=mask_url(c.settings.database_url))
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from bridge.db.sqlblocks import load_blocks, render
-
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
@@ -19,6 +17,36 @@ depends_on = None
 
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 TS = sa.DateTime(timezone=True)
+
+# The routing functions as this revision created them (PostgreSQL only: SQLite registers pollbridge_bucket
+# per connection), frozen here: a migration must do the same thing forever, whatever later happens to
+# bridge/db/sql/*.sql. The bucket is the frozen hash documented in bridge/core/phases.py: the first 32 bits
+# of md5(workflow_type || '/' || instance_id), modulo 10000. Never change it: instances would move in and
+# out of a selective percentage. A later change to these functions is a new revision.
+BUCKET_FUNCTION = """\
+CREATE OR REPLACE FUNCTION pollbridge_bucket(workflow_type text, instance_id text) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+  SELECT (('x' || substr(md5(coalesce(workflow_type, '') || '/' || instance_id), 1, 8))::bit(32)::bigint
+          % 10000)::integer
+$$"""
+
+SHOULD_HANDLE_FUNCTION = """\
+CREATE OR REPLACE FUNCTION pollbridge_poller_should_handle(workflow_type text, instance_id text,
+                                                           ready_since timestamptz) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+  SELECT CASE coalesce(f.phase, 'polling')
+    WHEN 'selective' THEN
+      NOT (f.percent IS NULL OR pollbridge_bucket($1, $2) < round(f.percent * 100))
+      OR $3 IS NULL OR $3 <= clock_timestamp() - make_interval(secs => f.grace_seconds)
+    WHEN 'cutover' THEN false
+    ELSE true
+  END
+  FROM (SELECT 1) AS one LEFT JOIN pollbridge_flags AS f ON f.workflow_type = $1
+$$"""
+
+DROP_SHOULD_HANDLE_FUNCTION = "DROP FUNCTION IF EXISTS pollbridge_poller_should_handle(text, text, timestamptz)"
+
+DROP_BUCKET_FUNCTION = "DROP FUNCTION IF EXISTS pollbridge_bucket(text, text)"
 
 
 def upgrade() -> None:
@@ -48,17 +76,15 @@ def upgrade() -> None:
         sa.Column("changed_at", TS, nullable=False),
     )
     op.create_index("pollbridge_flag_audit_type_time_idx", "pollbridge_flag_audit", ["workflow_type", "changed_at"])
-    dialect = op.get_bind().dialect.name
-    for name in ("bucket_function", "should_handle_function"):
-        if name in load_blocks(dialect):  # PostgreSQL only: SQLite registers pollbridge_bucket per connection
-            op.execute(render(dialect, name))
+    if op.get_bind().dialect.name == "postgresql":  # SQLite registers pollbridge_bucket per connection
+        op.execute(BUCKET_FUNCTION)
+        op.execute(SHOULD_HANDLE_FUNCTION)
 
 
 def downgrade() -> None:
-    dialect = op.get_bind().dialect.name
-    for name in ("drop_should_handle_function", "drop_bucket_function"):
-        if name in load_blocks(dialect):
-            op.execute(render(dialect, name))
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(DROP_SHOULD_HANDLE_FUNCTION)
+        op.execute(DROP_BUCKET_FUNCTION)
     op.drop_index("pollbridge_flag_audit_type_time_idx", table_name="pollbridge_flag_audit")
     op.drop_table("pollbridge_flag_audit")
     op.drop_table("pollbridge_flags")

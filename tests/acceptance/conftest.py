@@ -6,7 +6,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import Run
+
+from tests.support import Run
 
 
 @pytest.fixture

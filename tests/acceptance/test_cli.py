@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from support import Run
 
 from bridge.db.engine import create_engine
+from tests.support import Run
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from support import Run
 
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
@@ -24,6 +23,7 @@ from bridge.db.schema import flag_audit, flags
 from bridge.flags.store import FlagStore
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
+from tests.support import Run
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import Run, wait_for
 
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import GuardianSettings
@@ -25,6 +24,7 @@ from bridge.flags.store import FlagStore
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.rollout.guardian import Guardian
 from bridge.tasktable.tables import reflect_tables
+from tests.support import Run, wait_for
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from support import Run
 
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
+from tests.support import Run
 
 METRIC_NAMES = ("pollbridge_phase", "pollbridge_dispatches_window", "pollbridge_outbox_backlog",
                 "pollbridge_outbox_oldest_age_seconds", "pollbridge_bus_lag", "pollbridge_bus_pending",

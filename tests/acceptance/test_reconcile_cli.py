@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from support import Run
 
 from bridge.bus import open_bus
 from bridge.capture.relay import Relay
@@ -22,6 +21,7 @@ from bridge.tasktable.tables import reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
+from tests.support import Run
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from support import Run, wait_for
 
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
+from tests.support import Run, wait_for
 
 PHASES = ["polling", "dual_write", "selective", "cutover", "rollback"]
 

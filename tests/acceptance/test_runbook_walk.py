@@ -57,7 +57,6 @@ import redis
 import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy.engine import Engine
-from support import wait_for
 
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
@@ -66,6 +65,7 @@ from bridge.reference.oracle import verify
 from bridge.reference.schema import create_demo_schema
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import TaskTable, reflect_tables
+from tests.support import wait_for
 
 TYPE = "payments"          # the type the walk migrates (the runbooks' examples say orders)
 OTHER = "reports"          # a type that stays in polling the whole time

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from support import Run, wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
@@ -28,6 +27,7 @@ from bridge.db.schema import bus_log, dispatch_log, outbox, scheduler_leases, sc
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.leases import lease_snapshot
+from tests.support import Run, wait_for
 
 GROUP = SchedulerSettings().group
 PARTITIONS = 4

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from support import Run
 
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
@@ -24,6 +23,7 @@ from bridge.db.schema import signals
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from bridge.tasktable.tables import reflect_tables
+from tests.support import Run
 
 SECRET = "acceptance-secret-0123456789"
 

@@ -1,6 +1,6 @@
 """Random faults under a running mixed workload, every component its own process, PostgreSQL + Redis.
 
-The engine is :mod:`chaos_support` (its docstring lists the faults and the checks); ``python -m bench.faults
+The engine is :mod:`tests.support.chaos` (its docstrings list the faults and the checks); ``python -m bench.faults
 --minutes N`` runs the same engine for a long soak. This CI instance injects faults for
 ``POLLBRIDGE_CHAOS_SECONDS`` (default 60) seconds and takes about two and a half minutes in all. The seed is
 random and printed; ``POLLBRIDGE_CHAOS_SEED=N`` replays a run's fault schedule.
@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos_support import KINDS, ChaosOptions, log_tails, new_workdir, run_chaos
+
+from tests.support.chaos import KINDS, ChaosOptions, log_tails, new_workdir, run_chaos
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from support import wait_for
 
 from bridge.bus import open_bus
 from bridge.db.engine import create_engine, read_only
 from bridge.db.schema import outbox
+from tests.support import wait_for
 
 
 def _relay(cwd: Path, db_url: str, bus_url: str) -> subprocess.Popen[bytes]:

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from support import wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.bus.base import partition_for
@@ -35,6 +34,7 @@ from bridge.reference.oracle import load_tasks, verify
 from bridge.reference.workload import SHAPES, WorkflowSpec, make_shape, seed
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.leases import lease_snapshot
+from tests.support import wait_for
 
 PARTITIONS = 4
 

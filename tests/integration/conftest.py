@@ -7,13 +7,13 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from sqlalchemy.engine import Engine
-from support import Env
 
 from bridge.app import install
 from bridge.bus import EventBus, open_bus
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.tasktable.tables import TaskTable, reflect_tables
+from tests.support import Env
 
 
 @pytest.fixture

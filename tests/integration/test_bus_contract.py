@@ -22,7 +22,15 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.bus.base import Delivery, EventBus, entry_order, partition_for
+from bridge.bus.base import (
+    DELIVERY_STATES,
+    Delivery,
+    EventBus,
+    EventDelivery,
+    EventRef,
+    entry_order,
+    partition_for,
+)
 from bridge.bus.embedded import EmbeddedBus
 from bridge.bus.keys import BusKeys
 from bridge.bus.redis_streams import RedisStreamsBus
@@ -487,6 +495,119 @@ def test_epoch_is_stable_while_the_data_is(bus: EventBus, twin: Callable[[], Eve
     assert first and bus.epoch() == first
     bus.publish([_event("inst-epoch", 1)])
     assert twin().epoch() == first
+
+
+# ---------------------------------------------------------------------------------------------- looking up events
+
+def _state(bus: EventBus, group: str, event: CloudEvent, published_at: datetime | None = None) -> EventDelivery:
+    return bus.delivery_state(group, EventRef.of(event, published_at))
+
+
+def test_delivery_state_follows_an_event_from_publish_to_acknowledgement(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    bus.ensure_group("h")
+    before = datetime.now(UTC)
+    event = _event("inst-look", 1)
+    bus.publish([event])
+    p = partition_for("inst-look", P)
+
+    on_bus = _state(bus, "g", event, before)
+    assert (on_bus.state, on_bus.partition, on_bus.deliveries, on_bus.consumer) == ("undelivered", p, None, None)
+    assert on_bus.entry_id is not None
+    assert _state(bus, "g", event) == on_bus  # no publish time: the whole retained log is searched
+    assert _state(bus, "never-created", event).state == "undelivered"
+
+    [d] = _read_n(bus, "g", "c", 1)
+    assert d.entry_id == on_bus.entry_id
+    pending = _state(bus, "g", event, before)
+    assert (pending.state, pending.entry_id, pending.consumer, pending.deliveries) == ("pending", d.entry_id, "c", 1)
+    time.sleep(0.05)
+    [again] = bus.claim_stale("g", "c2", ALL, 0.01, 10)
+    assert again.deliveries == 2
+    assert (_state(bus, "g", event).consumer, _state(bus, "g", event).deliveries) == ("c2", 2)
+
+    bus.ack("g", [again])
+    done = _state(bus, "g", event, before)
+    assert (done.state, done.entry_id, done.partition, done.reason) == ("acknowledged", d.entry_id, p, None)
+    assert _state(bus, "h", event).state == "undelivered"  # per group
+
+    # Looking is read-only: no group's offset, lag or pending entries moved.
+    assert bus.lag("h") == {q: int(q == p) for q in ALL}
+    assert bus.pending_count("g") == bus.pending_count("h") == 0
+    assert bus.read("h", "c", ALL, 10, 0)[0].entry_id == d.entry_id
+
+
+def test_delivery_state_of_a_dead_letter_and_of_an_event_the_bus_never_had(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    poison, fine = _event("inst-x", 1), _event("inst-y", 2)
+    bus.publish([poison, fine])
+    got = {d.event.id: d for d in _read_n(bus, "g", "c", 2) if d.event is not None}
+    bus.dead_letter("g", got[poison.id], "handler exploded: ValueError")
+    bus.ack("g", [got[fine.id]])
+    never = _event("inst-x", 3)
+
+    answers = bus.delivery_states("g", [EventRef.of(e) for e in (poison, fine, never)])
+    assert set(answers) == {poison.id, fine.id, never.id}
+    dead = answers[poison.id]
+    assert (dead.state, dead.entry_id, dead.partition, dead.reason) == (
+        "dead_lettered", got[poison.id].entry_id, partition_for("inst-x", P), "handler exploded: ValueError")
+    assert answers[fine.id].state == "acknowledged"
+    missing = answers[never.id]
+    assert (missing.state, missing.entry_id, missing.partition) == ("not_found", None, partition_for("inst-x", P))
+    assert missing.detail  # says why the bus may not have it
+    assert {a.state for a in answers.values()} <= set(DELIVERY_STATES)
+    assert answers == {e.id: _state(bus, "g", e) for e in (poison, fine, never)}  # one at a time: the same
+    assert bus.delivery_states("g", []) == {}
+
+
+def test_delivery_state_of_an_event_published_twice_is_its_earliest_entry(bus: EventBus) -> None:
+    bus.ensure_group("g")
+    event = _event("inst-twice", 1)
+    bus.publish([event])
+    bus.publish([event])
+    first, second = _read_n(bus, "g", "c", 2)
+    assert entry_order(first.entry_id) < entry_order(second.entry_id)
+    bus.ack("g", [first])
+    state = _state(bus, "g", event)
+    assert (state.state, state.entry_id) == ("acknowledged", first.entry_id)
+
+
+def test_dead_letter_count_matches_the_dead_letters(bus: EventBus) -> None:
+    assert bus.dead_letter_count() == 0
+    bus.ensure_group("g")
+    bus.ensure_group("h")
+    bus.publish([_event(f"inst-{i}", i) for i in range(3)])
+    for group in ("g", "h"):
+        got = _read_n(bus, group, "c", 3)
+        for d in got[:2]:
+            bus.dead_letter(group, d, f"poison for {group}")
+    assert bus.dead_letter_count() == 4 == len(bus.dead_letters())
+    assert bus.remove_dead_letters([bus.dead_letters()[0].id]) == 1
+    assert bus.dead_letter_count() == 3
+
+
+def test_leases_kept_beside_the_bus_split_the_partitions_fairly(bus: EventBus) -> None:
+    """A bus either keeps the scheduler's partition leases (Redis) or says it does not (embedded: None)."""
+    leases = bus.leases()
+    if isinstance(bus, EmbeddedBus):
+        assert leases is None  # the scheduler keeps them in the database
+        return
+    assert leases is not None and leases.partitions == P
+    half = set(range(P // 2))
+    assert leases.round("a", 10.0) == set(ALL)  # alone: everything
+    assert leases.round("b", 10.0) == set()  # a holds its share and more: b waits for a's next round
+    assert leases.round("a", 10.0) == half  # a sees b and gives back the excess
+    assert leases.round("b", 10.0) == set(ALL) - half
+    snap = leases.snapshot()
+    assert set(snap.members) == {"a", "b"} and snap.settled(2, P)
+    assert abs((snap.now - datetime.now(UTC)).total_seconds()) < 5  # the server's clock
+    assert snap.held_by({"a"}) == half and {h for h, _ in snap.leases.values()} == {"a", "b"}
+    assert all(exp is not None and exp > snap.now for _, exp in snap.leases.values())
+    leases.release("a")
+    assert set(leases.snapshot().members) == {"b"}
+    assert leases.round("b", 10.0) == set(ALL)  # no ttl to wait for
+    other = bus.leases()  # a new handle on the same leases
+    assert other is not None and other.snapshot().held_by({"b"}) == set(ALL)
 
 
 def _tail_all(bus: EventBus, after: dict[int, str], n: int, count: int = 1000,

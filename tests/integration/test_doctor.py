@@ -5,15 +5,21 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from bridge.app.components import Components
 from bridge.core.mapping import TaskColumns, TaskTableMapping
 from bridge.core.settings import Settings
 from bridge.db import migrate
 from bridge.db.engine import create_engine
-from bridge.rollout.doctor import run_checks
+from bridge.rollout.checks import CheckResult
+from bridge.rollout.doctor import to_json
+
+
+def run_checks(engine: Engine, settings: Settings) -> list[CheckResult]:
+    return Components(settings).doctor(engine)
 
 
 def _by_name(engine: Engine, settings: Settings) -> dict[str, tuple[bool, str]]:
-    return {c.name: (c.ok, c.detail) for c in run_checks(engine, settings)}
+    return {c.name: (c.passed, c.detail) for c in run_checks(engine, settings)}
 
 
 def test_all_checks_pass_on_a_fresh_installation(engine: Engine) -> None:
@@ -63,7 +69,7 @@ def test_unreachable_database_masks_password() -> None:
     finally:
         engine.dispose()
     assert [c.name for c in checks] == ["database"]
-    assert not checks[0].ok
+    assert not checks[0].passed
     assert "s3cr3tpw" not in checks[0].detail and "***" in checks[0].detail
 
 
@@ -82,3 +88,17 @@ def test_capture_missing_and_bus_unreachable_are_reported(engine: Engine) -> Non
     assert not ok and "pollbridge init" in detail
     ok, detail = checks["bus"]
     assert not ok and "topsecret" not in detail and "127.0.0.1:1" in detail
+
+
+def test_a_check_without_its_prerequisite_is_left_out(engine: Engine) -> None:
+    """A mapping that does not match hides the checks that need it, not the migrations or the bus."""
+    checks = _by_name(engine, Settings(mapping=TaskTableMapping(table="jobs")))
+    assert list(checks) == ["database", "mapping", "migrations", "bus"]
+    assert checks["migrations"][0] and checks["bus"][0]
+
+
+def test_json_keeps_doctor_keys(engine: Engine) -> None:
+    doc = to_json(run_checks(engine, Settings()))
+    assert doc["ok"] is True
+    assert [set(c) for c in doc["checks"]] == [{"name", "ok", "detail"}] * 6
+    assert [c["name"] for c in doc["checks"]] == ["database", "mapping", "migrations", "capture", "dags", "bus"]

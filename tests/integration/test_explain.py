@@ -20,7 +20,6 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import Env
 
 from bridge.bus import open_bus
 from bridge.bus.base import EventBus, partition_for
@@ -37,6 +36,7 @@ from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
+from tests.support import Env
 
 GROUP = "explain-test"
 SCHED = SchedulerSettings(group=GROUP, batch_size=50, block=0.05, lease_ttl=30.0, claim_interval=0.2,

@@ -36,7 +36,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from prometheus_client import CollectorRegistry
-from support import Env, StackContext
 
 from bridge.bus import EventBus
 from bridge.capture.relay import Relay
@@ -63,6 +62,7 @@ from bridge.reference.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
+from tests.support import Env, StackContext
 
 TYPES = ("orders", "reports")
 GRACE = 0.05  # the poller's fallback and the sweep wait this long before acting for the event path

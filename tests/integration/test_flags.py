@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import SHARED_DB_PARAMS, reset_shared, shared_engine, wait_for
 
 from bridge.core.errors import FlagError, FlagStoreUnavailable
 from bridge.core.phases import Flag, bucket, percent_threshold, poller_should_handle
@@ -22,6 +21,7 @@ from bridge.db.engine import create_engine
 from bridge.db.schema import flag_audit, flags
 from bridge.flags.router import FlagRouter
 from bridge.flags.store import FlagStore
+from tests.support import SHARED_DB_PARAMS, reset_shared, shared_engine, wait_for
 
 
 @pytest.fixture(params=SHARED_DB_PARAMS)

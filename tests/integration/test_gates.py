@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from support import SHARED_DB_PARAMS, shared_engine
 
 from bridge.capture.triggers import install_capture, remove_capture
 from bridge.core.errors import FlagError, GateRefused
@@ -33,6 +32,7 @@ from bridge.rollout.promotion import evaluate_gate, rollback, set_phase
 from bridge.tasktable.dispatch import Path, ReadyTask, dispatch_many
 from bridge.tasktable.readiness import ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable
+from tests.support import SHARED_DB_PARAMS, shared_engine
 
 #: Small gates for tests: 20 compared tasks; 0 misses in 20 (upper bound 13.9%) passes a 15% budget,
 #: 1 miss in 21 (20.7%) does not.

@@ -21,7 +21,6 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import Env, wait_for
 
 from bridge.app import install
 from bridge.bus.redis_streams import RedisStreamsBus
@@ -38,6 +37,7 @@ from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.rollout.guardian import CheckReport, Finding, Guardian
 from bridge.rollout.promotion import rollback
 from bridge.tasktable.tables import TaskTable
+from tests.support import Env, wait_for
 
 GROUP = SchedulerSettings().group
 

@@ -12,14 +12,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
-from support import LEASE_STORE_PARAMS, age_scheduler_member
 
 from bridge.bus.redis_streams import RedisStreamsBus
 from bridge.db.engine import create_engine
 from bridge.db.schema import scheduler_members
-from event_scheduler.leases import PartitionLeases
+from event_scheduler.leases import BusPartitionLeases, PartitionLeases, lease_store
 from event_scheduler.protocols import PartitionLeaseStore
-from event_scheduler.redis_leases import RedisPartitionLeases
+from tests.support import LEASE_STORE_PARAMS, age_scheduler_member
 
 PARTITIONS = 4
 TTL = 10.0
@@ -33,8 +32,10 @@ class Stores:
         self._kept: list[Connection] = []
 
     def member(self, holder: str) -> PartitionLeaseStore:
-        if self.bus is not None:
-            return RedisPartitionLeases(self.bus.client, self.bus.keys, PARTITIONS, holder, ttl=TTL)
+        if self.bus is not None:  # chosen through the bus interface: the leases the bus keeps beside it
+            store = lease_store(self.engine, self.bus, holder, ttl=TTL)
+            assert isinstance(store, BusPartitionLeases)
+            return store
         return PartitionLeases(self.engine, PARTITIONS, holder, ttl=TTL)
 
     def kept(self) -> Connection | None:

@@ -9,7 +9,6 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import drive_until_settled, wait_for
 
 from bridge.app import install
 from bridge.core.mapping import TaskTableMapping
@@ -21,6 +20,7 @@ from bridge.tasktable.tables import TaskTable, reflect_tables
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.runner import PollerRunner
 from legacy_poller.workers import WorkerPool
+from tests.support import drive_until_settled, wait_for
 
 FAST_WORKERS = WorkerSettings(concurrency=3, min_duration=0.0, max_duration=0.005, idle_sleep=0.01)
 

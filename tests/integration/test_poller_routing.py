@@ -13,7 +13,6 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import SHARED_DB_PARAMS, shared_engine, wait_for
 
 from bridge.core.phases import bucket, percent_threshold
 from bridge.db.schema import dispatch_log
@@ -22,6 +21,7 @@ from bridge.flags.store import FlagStore
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.poller import LegacyPoller
+from tests.support import SHARED_DB_PARAMS, shared_engine, wait_for
 
 
 @pytest.fixture(params=SHARED_DB_PARAMS)

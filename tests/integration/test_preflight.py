@@ -21,9 +21,9 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy.engine import Engine
-from support import LEASE_STORE_PARAMS, age_scheduler_member, wait_for
 
-from bridge.bus import EventBus, open_bus
+from bridge.app.components import Components
+from bridge.bus import EventBus
 from bridge.capture.relay import Relay
 from bridge.capture.triggers import remove_capture
 from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
@@ -41,13 +41,14 @@ from bridge.db.engine import create_engine, db_now
 from bridge.db.schema import decisions, flag_audit, outbox, outbox_dead, relay_state
 from bridge.flags.store import FlagStore
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
-from bridge.rollout.preflight import CHECKS, PreflightReport, checks_for, run_preflight
+from bridge.rollout.preflight import CHECKS, PreflightReport, checks_for
 from bridge.rollout.promotion import rollback
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many
 from bridge.tasktable.readiness import ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.leases import lease_store
 from event_scheduler.scheduler import EventScheduler
+from tests.support import LEASE_STORE_PARAMS, age_scheduler_member, wait_for
 
 PARTITIONS = 4
 GROUP = SchedulerSettings().group
@@ -65,8 +66,7 @@ class Stack:
     kind: str
 
     def open_bus(self) -> EventBus:
-        s = self.settings
-        return open_bus(s.bus_url, engine=self.engine, partitions=s.bus.partitions, namespace=s.bus.namespace)
+        return Components(self.settings).bus(self.engine)
 
     def run(self, phase: str, workflow_type: str = "orders", **kwargs: Any) -> PreflightReport:
         settings = kwargs.pop("settings", self.settings)
@@ -76,6 +76,12 @@ class Stack:
         result = self.run(phase, **kwargs).result(name)
         assert result is not None, f"{name} did not run for {phase}"
         return result.passed, result.detail
+
+
+def run_preflight(engine: Engine, settings: Settings, workflow_type: str, phase: str, **kwargs: Any
+                  ) -> PreflightReport:
+    """Preflight as the CLI runs it: the flag store and the bus from the composition root."""
+    return Components(settings).preflight(engine, workflow_type, phase, **kwargs)
 
 
 def _settings(url: str, bus_url: str = "embedded", namespace: str = "pollbridge") -> Settings:

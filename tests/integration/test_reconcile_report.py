@@ -190,7 +190,10 @@ def test_histograms_and_timelines_count_every_first_action(drive: Drive) -> None
 
     expected_hist: dict[str, list[int]] = {}
     expected_timeline: dict[str, list[int]] = {}
-    width_s = (end - start).total_seconds() / TIMELINE_BUCKETS
+    on_edge: list[str] = []
+    # SQLite binds the window's start as text to the millisecond (bridge.reconcile.classify.bind_time); PostgreSQL
+    # binds it whole (truncating it there too put an action up to 1 ms past an edge a bucket late).
+    since = utc(start.replace(microsecond=start.microsecond // 1000 * 1000) if sqlite else start)
     for f in firsts.values():
         for path, value in (("poller", ms(f, "poller")), ("events", ms(f, "events", "decision")),
                             ("fallback", ms(f, "fallback"))):
@@ -201,14 +204,18 @@ def test_histograms_and_timelines_count_every_first_action(drive: Drive) -> None
                 hist[-1] += 1
         path = next(p for p in ("events", "fallback", "poller", "decision") if p in f)
         at = utc(f[path])
-        # SQLite binds the window's start as text to the millisecond (bridge.reconcile.classify.bind_time); PostgreSQL
-        # binds it whole (truncating it there too put an action up to 1 ms past an edge a bucket late).
-        since = utc(start.replace(microsecond=start.microsecond // 1000 * 1000) if sqlite else start)
-        bucket = min(int((at - since).total_seconds() // width_s), TIMELINE_BUCKETS - 1)
+        # The documented buckets (docs/reconcile.md): the window cut into TIMELINE_BUCKETS of equal width, each
+        # [start, end), so an action exactly on an edge opens the next bucket. Exact, in whole microseconds
+        # (timedelta arithmetic): the times are whole milliseconds on SQLite and a poller batch shares one, so
+        # a batch lands exactly on an edge (mostly the window's middle) in a run or two in a hundred, where a
+        # floating-point ``seconds // width`` put it a bucket early half of the time (1.294 s // 0.0431333 s = 29).
+        bucket = min((at - since) * TIMELINE_BUCKETS // (end - start), TIMELINE_BUCKETS - 1)
         expected_timeline.setdefault(path, [0] * TIMELINE_BUCKETS)[bucket] += 1
+        if (at - since) * TIMELINE_BUCKETS % (end - start) == timedelta(0):
+            on_edge.append(f"{path} at {at} opens bucket {bucket}")
     (orders,) = _report(drive, start, end).types
     assert orders.histogram == expected_hist
-    assert orders.timeline == expected_timeline
+    assert orders.timeline == expected_timeline, f"actions exactly on a bucket edge: {on_edge or 'none'}"
     assert sum(map(sum, orders.timeline.values())) == orders.counts["poller"] + orders.counts["matched"]
 
 

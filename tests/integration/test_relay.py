@@ -11,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from support import Env, wait_for
 
 from bridge.bus import EventBus, open_bus
 from bridge.bus.base import Delivery
@@ -20,6 +19,7 @@ from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings
 from bridge.db.clock import as_utc
 from bridge.db.schema import outbox, outbox_dead, relay_state
+from tests.support import Env, wait_for
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
                      lease_timeout=1.0, purge_interval=3600)

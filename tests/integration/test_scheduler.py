@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from support import Env, wait_for
 
 from bridge.capture.relay import Relay
 from bridge.core.phases import FixedRouter, Phase
@@ -24,6 +23,7 @@ from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
+from tests.support import Env, wait_for
 
 RELAY = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, lease_timeout=1.0,
                       purge_interval=3600)

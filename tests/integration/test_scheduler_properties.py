@@ -41,7 +41,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
-from support import Env, StackContext, age_scheduler_member
 
 from bridge.bus import EventBus
 from bridge.bus.base import Delivery
@@ -68,6 +67,7 @@ from event_scheduler import evaluate as evaluate_module
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
 from legacy_poller.workers import WorkerPool
+from tests.support import Env, StackContext, age_scheduler_member
 
 VISIBILITY = 0.2  # seconds before a read-but-unacknowledged entry can be claimed again
 RETRY = TypeSettings(retry_base=0.05, retry_max=0.2, retry_jitter=0.5)

@@ -23,7 +23,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from support import Env, wait_for
 
 from bridge.bus.base import DeadLetter, Delivery, EventBus, entry_order, partition_for
 from bridge.capture.relay import Relay
@@ -37,6 +36,7 @@ from bridge.serve.app import BackgroundServer, ServeApp, ServeContext
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.workers import WorkerPool
+from tests.support import Env, wait_for
 
 SECRET = "serve-test-secret-0123456789"
 RELAY = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, lease_timeout=1.0,

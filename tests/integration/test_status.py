@@ -18,7 +18,6 @@ from typing import Any
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy.engine import Engine
-from support import Env
 
 from bridge.bus import open_bus
 from bridge.bus.base import partition_for
@@ -35,6 +34,7 @@ from bridge.rollout.promotion import rollback
 from bridge.tasktable.tables import TaskTable
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
+from tests.support import Env
 
 GROUP = "status-test"
 RELAY = RelaySettings(batch_size=1000, purge_interval=3600)

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import importlib
 import sqlite3
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not part of the installed package
 
 from bench import _paths_common as pc
 from bench.paths import build_workload

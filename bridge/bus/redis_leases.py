@@ -1,11 +1,11 @@
-"""Partition leases kept in Redis, beside the bus they divide (the scheduler's choice when the bus is
-Redis Streams).
+"""The event scheduler's partition leases kept in Redis, beside the streams they divide
+(:meth:`bridge.bus.redis_streams.RedisStreamsBus.leases`).
 
-The same rules as :mod:`event_scheduler.leases` (heartbeat, fair share ``ceil(partitions / live
-members)``, renew, give back the excess, take free or expired partitions), but a round is one Lua
-script, atomic on the server and timed by the server's clock, so every process compares the same
-clock. Why here and not in the database: an idle scheduler's round then costs its database nothing;
-the event path's only idle statement is the relay's fallback probe.
+The same rules as the database store (``event_scheduler.leases.PartitionLeases``: heartbeat, fair
+share ``ceil(partitions / live members)``, renew, give back the excess, take free or expired
+partitions), but a round is one Lua script, atomic on the server and timed by the server's clock, so
+every process compares the same clock. Why here and not in the database: an idle scheduler's round
+then costs its database nothing; the event path's only idle statement is the relay's fallback probe.
 
 Layout (:class:`bridge.bus.keys.BusKeys`): ``scheduler_members`` is a sorted set of holders scored by
 their last heartbeat in ms; ``scheduler_leases`` a hash ``partition -> "<expires_ms> <holder>"``.
@@ -16,14 +16,12 @@ share again on its next round, as after a takeover, and catches up from the data
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
+from bridge.bus.base import BusLeases, LeaseSnapshot
 from bridge.bus.keys import BusKeys
-
-if TYPE_CHECKING:
-    from event_scheduler.leases import LeaseSnapshot
 
 #: One round. KEYS: members, leases. ARGV: holder, ttl in ms, partitions. Returns the partitions held
 #: after the round, in order.
@@ -84,54 +82,43 @@ return 0
 """
 
 
-class RedisPartitionLeases:
-    """:class:`event_scheduler.protocols.PartitionLeaseStore` on Redis (one script per round)."""
+class RedisLeases(BusLeases):
+    """:class:`bridge.bus.base.BusLeases` on Redis: one script per round or release."""
 
-    def __init__(self, client: redis.Redis[Any], keys: BusKeys, partitions: int, holder: str, ttl: float) -> None:
+    def __init__(self, client: redis.Redis[Any], keys: BusKeys, partitions: int) -> None:
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
         self.client = client
         self.keys = keys
         self.partitions = partitions
-        self.holder = holder
-        self.ttl = ttl
-        self.owned: set[int] = set()
         self._round = client.register_script(ROUND_LUA)
         self._release = client.register_script(RELEASE_LUA)
+
+    def __repr__(self) -> str:
+        return f"RedisLeases(namespace={self.keys.namespace!r}, partitions={self.partitions})"
 
     def _keys(self) -> list[str]:
         return [self.keys.scheduler_members, self.keys.scheduler_leases]
 
-    def refresh(self, conn: object = None) -> tuple[set[int], set[int]]:
-        """Heartbeat, renew, rebalance in one script. ``conn`` is accepted for the database store's
-        signature and not used."""
-        before = set(self.owned)
-        held = self._round(keys=self._keys(), args=[self.holder, max(1, int(self.ttl * 1000)), self.partitions])
-        self.owned = {int(p) for p in held}
-        return self.owned - before, before - self.owned
+    def round(self, holder: str, ttl: float) -> set[int]:
+        held = self._round(keys=self._keys(), args=[holder, max(1, int(ttl * 1000)), self.partitions])
+        return {int(p) for p in held}
 
-    def release_all(self) -> None:
-        self._release(keys=self._keys(), args=[self.holder, self.partitions])
-        self.owned = set()
+    def release(self, holder: str) -> None:
+        self._release(keys=self._keys(), args=[holder, self.partitions])
 
-    def holders(self) -> dict[int, Any]:
-        leased = read_snapshot(self.client, self.keys).leases
-        return {p: leased.get(p, (None, None))[0] for p in range(self.partitions)}
-
-
-def read_snapshot(client: redis.Redis[Any], keys: BusKeys) -> LeaseSnapshot:
-    """Members and leases as recorded, with Redis's clock as ``now`` (read only)."""
-    from event_scheduler.leases import LeaseSnapshot
-
-    with client.pipeline(transaction=True) as pipe:
-        pipe.time()
-        pipe.zrange(keys.scheduler_members, 0, -1, withscores=True)
-        pipe.hgetall(keys.scheduler_leases)
-        (secs, micros), members, leases = pipe.execute()
-    leased: dict[int, tuple[str | None, datetime | None]] = {}
-    for field, value in leases.items():
-        expires, holder = _text(value).split(" ", 1)
-        leased[int(field)] = (holder, _at(float(expires)))
-    return LeaseSnapshot(now=_at(int(secs) * 1000 + int(micros) / 1000),
-                         members={_text(m): _at(score) for m, score in members}, leases=leased)
+    def snapshot(self) -> LeaseSnapshot:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.time()
+            pipe.zrange(self.keys.scheduler_members, 0, -1, withscores=True)
+            pipe.hgetall(self.keys.scheduler_leases)
+            (secs, micros), members, leases = pipe.execute()
+        leased: dict[int, tuple[str | None, datetime | None]] = {}
+        for field, value in leases.items():
+            expires, holder = _text(value).split(" ", 1)
+            leased[int(field)] = (holder, _at(float(expires)))
+        return LeaseSnapshot(now=_at(int(secs) * 1000 + int(micros) / 1000),
+                             members={_text(m): _at(score) for m, score in members}, leases=leased)
 
 
 def _at(ms: float) -> datetime:

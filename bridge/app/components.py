@@ -1,0 +1,149 @@
+"""The composition root: every component built from one :class:`~bridge.core.settings.Settings`.
+
+How an engine, the bus, the flag store and router, the relay, the event scheduler, the poller, the
+guardian and the demo workers are configured from the settings is written here once; ``run-all``,
+each ``… run`` command, ``serve``, ``status``, ``explain``, ``metrics serve``, ``guardian``, ``flags``,
+``dlq``, ``preflight``, ``doctor`` and the demo take them from :class:`Components`.
+
+Nothing here starts a thread or keeps a reference: the caller owns what it gets and closes, stops or
+disposes of it. ``doctor`` and ``preflight`` (:mod:`bridge.rollout`, a layer below this one) are given
+the flag store and a way to open the bus from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from bridge.bus.base import EventBus
+from bridge.bus.factory import open_bus
+from bridge.capture.relay import Relay
+from bridge.core.errors import ConfigError, first_line
+from bridge.core.phases import EventRouter
+from bridge.core.settings import Settings, WorkerSettings
+from bridge.core.urls import bus_scheme, mask_url
+from bridge.db.engine import create_engine
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.rollout.checks import CheckResult
+from bridge.rollout.doctor import run_doctor
+from bridge.rollout.guardian import Guardian
+from bridge.rollout.preflight import PreflightReport, run_preflight
+from bridge.tasktable.tables import TaskTable
+from event_scheduler.scheduler import EventScheduler
+from legacy_poller.poller import LegacyPoller
+from legacy_poller.workers import WorkerPool
+
+#: Seconds one Redis call may take in the commands that only look at the bus (``status``, ``explain``,
+#: ``metrics serve``, ``serve``, ``guardian``, ``preflight``, ``doctor``): a hung bus must fail a check or
+#: be reported as unknown, never hang them or delay the guardian's other criteria. The services that
+#: publish and consume (``relay run``, ``scheduler run``, ``run-all``) and ``dlq`` keep the bus's own
+#: timeout. The embedded bus lives in the database and takes no timeout.
+BUS_TIMEOUT = 3.0
+
+
+@dataclass(frozen=True)
+class OptionalBus:
+    """A bus that may be missing: ``bus`` is ``None`` when it could not be opened, and ``error`` says why."""
+
+    bus: EventBus | None
+    label: str            # the bus URL, masked
+    error: str | None = None
+
+    def close(self) -> None:
+        if self.bus is not None:
+            self.bus.close()
+
+
+@dataclass(frozen=True)
+class Components:
+    """Builds the components of one configuration (see the module docstring)."""
+
+    settings: Settings
+
+    # --- connections ----------------------------------------------------------------------------------
+    def engine(self, *, pool_size: int = 5) -> Engine:
+        """An engine for the configured database (not connected yet)."""
+        return create_engine(self.settings.database_url, pool_size=pool_size)
+
+    def bus(self, engine: Engine, *, timeout: float | None = None) -> EventBus:
+        """The configured bus; ``engine`` is the database the embedded bus lives in. ``timeout``: seconds
+        a Redis call may take (default: the bus's own)."""
+        s = self.settings
+        options: dict[str, Any] = {}
+        if timeout is not None and bus_scheme(s.bus_url) != "embedded":
+            options["socket_timeout"] = timeout
+        return open_bus(s.bus_url, engine=engine, partitions=s.bus.partitions, namespace=s.bus.namespace, **options)
+
+    def bus_opener(self, engine: Engine) -> Callable[[], EventBus]:
+        """Opens the bus with :data:`BUS_TIMEOUT` when called (the checks open it only if one needs it)."""
+        return partial(self.bus, engine, timeout=BUS_TIMEOUT)
+
+    def optional_bus(self, engine: Engine) -> OptionalBus:
+        """The bus with :data:`BUS_TIMEOUT`, or none with the reason: for the commands that still work
+        without it. A bus URL that is bad input stays an error."""
+        label = mask_url(self.settings.bus_url)
+        try:
+            bus = self.bus(engine, timeout=BUS_TIMEOUT)
+        except ConfigError:
+            raise  # bad input is a usage error, not an outage
+        except Exception as exc:
+            return OptionalBus(None, label, f"bus {label} could not be opened: {first_line(exc)}")
+        return OptionalBus(bus, label)
+
+    # --- flags ----------------------------------------------------------------------------------------
+    def flag_store(self, engine: Engine) -> FlagStore:
+        return FlagStore(engine, default_grace=self.settings.router.grace)
+
+    def flag_router(self, engine: Engine, *, registry: CollectorRegistry | None = None) -> FlagRouter:
+        """A router over a new flag store; not started (``.start()``, and ``.stop()`` when done)."""
+        r = self.settings.router
+        return FlagRouter(self.flag_store(engine), refresh_interval=r.refresh_interval,
+                          fallback_interval=r.fallback_interval, registry=registry)
+
+    # --- the services ---------------------------------------------------------------------------------
+    def relay(self, engine: Engine, bus: EventBus, *, partition: int = 0,
+              registry: CollectorRegistry | None = None) -> Relay:
+        s = self.settings
+        return Relay(engine, bus, s.relay, statuses=s.mapping.statuses, partition=partition,
+                     wake=s.capture.wake, registry=registry)  # type: ignore[arg-type]
+
+    def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
+                  registry: CollectorRegistry | None = None) -> EventScheduler:
+        s = self.settings
+        return EventScheduler(engine, tables, bus, s.scheduler, router, visibility_timeout=s.bus.visibility_timeout,
+                              registry=registry)
+
+    def poller(self, engine: Engine, tables: TaskTable, router: FlagRouter | None, *,
+               registry: CollectorRegistry | None = None) -> LegacyPoller:
+        return LegacyPoller(engine, tables, batch_size=self.settings.poller.batch_size, registry=registry,
+                            router=router)
+
+    def guardian(self, engine: Engine, *, bus: EventBus | None, store: FlagStore | None = None,
+                 registry: CollectorRegistry | None = None, bus_label: str | None = None,
+                 interval: float | None = None) -> Guardian:
+        """The guardian; ``interval`` overrides ``guardian.interval``, ``store`` defaults to a new flag store."""
+        s = self.settings
+        settings = replace(s.guardian, interval=interval) if interval else s.guardian
+        return Guardian(engine, settings, bus=bus, group=s.scheduler.group,
+                        store=store if store is not None else self.flag_store(engine), registry=registry,
+                        bus_label=bus_label)
+
+    def workers(self, engine: Engine, tables: TaskTable, *, settings: WorkerSettings | None = None,
+                registry: CollectorRegistry | None = None, seed: int | None = None) -> WorkerPool:
+        """The demo worker pool; ``settings`` overrides ``[workers]`` (a ``--concurrency`` option)."""
+        return WorkerPool(engine, tables, settings or self.settings.workers, registry=registry, seed=seed)
+
+    # --- the checks -----------------------------------------------------------------------------------
+    def doctor(self, engine: Engine) -> list[CheckResult]:
+        return run_doctor(engine, self.settings, store=self.flag_store(engine), open_bus=self.bus_opener(engine))
+
+    def preflight(self, engine: Engine, workflow_type: str, phase: str, *,
+                  percent: float | None = None) -> PreflightReport:
+        return run_preflight(engine, self.settings, workflow_type, phase, percent=percent,
+                             store=self.flag_store(engine), open_bus=self.bus_opener(engine))
