@@ -6,10 +6,13 @@
 2. Every ``pollbridge_*`` metric named in a panel, an annotation or an alert rule exists: the known names are
    read from the code (every ``Counter(``/``Gauge(``/``Histogram(`` and collector family named ``pollbridge_*``,
    with the sample suffixes Prometheus gives each kind).
-3. Every alert rule has a ``runbook_url`` annotation pointing into ``runbooks/06-incidents.md#...``, at a
-   heading that exists there (GitHub's anchor of the heading) when the runbook is present.
-4. ``promtool check rules alerts.yml`` when ``promtool`` is installed (Debian package ``prometheus``);
-   ``--require-promtool`` makes its absence an error.
+3. No gauge defined in the code has a name Prometheus reserves for other kinds (``_bucket``, ``_count``,
+   ``_sum``, ``_total``): ``promtool check metrics`` refuses such a scrape.
+4. Every alert rule has a ``runbook_url`` annotation ``${RUNBOOK_BASE_URL}/runbooks/06-incidents.md#...`` (the
+   placeholder ``render_alerts.py`` replaces), at a heading that exists there (GitHub's anchor of the heading)
+   when the runbook is present.
+5. ``promtool check rules`` of ``alerts.yml`` and of its rendering by ``render_alerts.py`` when ``promtool`` is
+   installed (Debian package ``prometheus``); ``--require-promtool`` makes its absence an error.
 
 Exit 0 when everything holds, 1 with one line per problem otherwise.
 """
@@ -17,29 +20,52 @@ Exit 0 when everything holds, 1 with one line per problem otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CODE = ("bridge", "event_scheduler", "legacy_poller")
-RUNBOOK = "runbooks/06-incidents.md#"
+
+
+def _render_alerts() -> ModuleType:
+    """``render_alerts.py`` beside this file (loaded by path: this script is run directly, or loaded by a test)."""
+    spec = importlib.util.spec_from_file_location("dashboards_render_alerts", HERE / "render_alerts.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render_alerts = _render_alerts()
+RUNBOOK_FILE = "runbooks/06-incidents.md"
+#: How every runbook_url of alerts.yml starts (the placeholder is replaced when the rules are rendered).
+RUNBOOK = f"{render_alerts.PLACEHOLDER}/{RUNBOOK_FILE}#"
+#: The base URL the checks render the rules with (any absolute URL: promtool sees what Prometheus will load).
+EXAMPLE_BASE_URL = "https://git.example.com/ops/pollbridge/blob/main"
 
 #: A metric defined in the code: the constructor (or collector family) and its name.
 _DEFINED = re.compile(
-    r"\b(Counter|Gauge|Histogram|Summary|GaugeMetricFamily|CounterMetricFamily|HistogramMetricFamily|_gauge)"
-    r"\(\s*\"(pollbridge_[a-z0-9_]+)\"")
+    r"\b(Counter|Gauge|Histogram|Summary|GaugeMetricFamily|CounterMetricFamily|HistogramMetricFamily"
+    r"|GaugeHistogramMetricFamily|_gauge)\(\s*\"(pollbridge_[a-z0-9_]+)\"")
 _SUFFIXES = {
     "Counter": ("_total", "_created"), "CounterMetricFamily": ("_total", "_created"),
     "Histogram": ("_bucket", "_count", "_sum", "_created"), "HistogramMetricFamily": ("_bucket", "_count", "_sum"),
+    "GaugeHistogramMetricFamily": ("_bucket", "_gcount", "_gsum"),
     "Summary": ("", "_count", "_sum", "_created"),
 }
+_GAUGES = ("Gauge", "GaugeMetricFamily", "_gauge")
+#: Sample suffixes Prometheus reserves for histograms, summaries and counters: never the end of a gauge's name.
+_RESERVED = ("_bucket", "_count", "_sum", "_total")
 _USED = re.compile(r"\b(pollbridge_[a-zA-Z0-9_]+)\b")
 
 
@@ -57,6 +83,20 @@ def known_metrics(root: Path = ROOT) -> set[str]:
                 else:
                     names.add(name)
     return names
+
+
+def check_metric_names(root: Path = ROOT) -> list[str]:
+    """Gauges of the code whose name ends like a histogram's, a summary's or a counter's samples."""
+    problems: list[str] = []
+    for package in CODE:
+        for path in sorted((root / package).rglob("*.py")):
+            for kind, name in _DEFINED.findall(path.read_text(encoding="utf-8")):
+                if kind in _GAUGES and name.endswith(_RESERVED):
+                    suffix = next(s for s in _RESERVED if name.endswith(s))
+                    problems.append(f"{path.relative_to(root)}: gauge {name} ends in {suffix}, which Prometheus "
+                                    "reserves for a histogram's, summary's or counter's samples (promtool check "
+                                    "metrics fails)")
+    return problems
 
 
 # --- a JSON Schema validator for the keywords dashboard.schema.json uses ----------------------------------
@@ -181,7 +221,7 @@ def anchor(heading: str) -> str:
 
 
 def runbook_anchors(root: Path = ROOT) -> set[str] | None:
-    path = root / RUNBOOK.split("#")[0]
+    path = root / RUNBOOK_FILE
     if not path.is_file():
         return None
     return {anchor(line.lstrip("#")) for line in path.read_text(encoding="utf-8").splitlines()
@@ -209,13 +249,21 @@ def check_alerts(path: Path, known: set[str], anchors: set[str] | None = None) -
 
 
 def check_promtool(path: Path, required: bool) -> list[str]:
+    """``promtool check rules`` of the rules as written and as rendered (what Prometheus loads)."""
     promtool = shutil.which("promtool")
     if promtool is None:
         return ["promtool not found (apt-get install prometheus)"] if required else []
-    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        return [f"promtool check rules {path.name}: {(result.stdout + result.stderr).strip()}"]
-    return []
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rendered = Path(tmp) / f"rendered-{path.name}"
+        rendered.write_text(render_alerts.render(path.read_text(encoding="utf-8"), EXAMPLE_BASE_URL),
+                            encoding="utf-8")
+        for rules in (path, rendered):
+            result = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True,
+                                    timeout=120)
+            if result.returncode != 0:
+                problems.append(f"promtool check rules {rules.name}: {(result.stdout + result.stderr).strip()}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     known = known_metrics()
     problems = check_dashboard(HERE / "pollbridge.json", HERE / "dashboard.schema.json", known)
+    problems += check_metric_names()
     problems += check_alerts(HERE / "alerts.yml", known, runbook_anchors())
     problems += check_promtool(HERE / "alerts.yml", args.require_promtool)
     for problem in problems:

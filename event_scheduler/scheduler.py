@@ -41,7 +41,14 @@ from bridge.bus.base import Delivery, EventBus, partition_for
 from bridge.capture.leadership import holder_name
 from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
-from bridge.core.events import TASK_STATUS_CHANGED, TIMER_EXPIRED, CloudEvent, new_event_id, new_trace_id
+from bridge.core.events import (
+    TASK_CHANGE_TYPES,
+    TASK_STATUS_CHANGED,
+    TIMER_EXPIRED,
+    CloudEvent,
+    new_event_id,
+    new_trace_id,
+)
 from bridge.core.phases import EventRouter
 from bridge.core.settings import SchedulerSettings
 from bridge.db.engine import db_now
@@ -163,7 +170,7 @@ class EventScheduler:
         A task's own change (insert, status, due time, signal) can change that task's readiness and
         timers; a task that completed can also make the tasks depending on it ready. Nothing else in the
         instance changed with it: another task's change comes with an event of its own."""
-        if event.type != TASK_STATUS_CHANGED or event.data.get("change") not in SCOPED_CHANGES:
+        if event.type not in TASK_CHANGE_TYPES or event.data.get("change") not in SCOPED_CHANGES:
             return None
         key = event.data.get("task_key")
         if not isinstance(key, str) or not key:

@@ -2,8 +2,13 @@
 
 ``callback`` and ``approval`` set the task's signal-received time, which makes it ready (if the rest
 of its readiness holds); ``rejection`` fails the task for good (attempts set to the maximum, so no
-retry). The change is captured like any other, so the event path reacts within milliseconds and the
-poller at its next scan. Every signal is also recorded in ``pollbridge_signals`` (kind, payload,
+retry). A task whose awaited signal is named after a kind takes only that kind (:func:`answers`): one
+that awaits ``approval`` takes an approval or a rejection (the way to refuse it), one that awaits
+``callback`` only a callback; a wrong kind is refused and records nothing. A task that awaits a signal of
+the platform's own naming (``manager``, ``payment``, ...) takes any kind.
+
+The change is captured like any other, so the event path reacts within milliseconds and the poller at
+its next scan. Every signal is also recorded in ``pollbridge_signals`` (kind, payload,
 actor), in the same transaction. A signal that cannot apply changes nothing and says why.
 """
 
@@ -25,6 +30,8 @@ from event_scheduler.exceptions import SignalError
 SignalKind = Literal["callback", "approval", "rejection"]
 KINDS: tuple[SignalKind, ...] = ("callback", "approval", "rejection")
 MAX_PAYLOAD = 64 * 1024
+#: The kinds that answer a task whose awaited signal is named after a kind; any other awaited name takes any kind.
+ANSWERED_BY: dict[str, tuple[SignalKind, ...]] = {"callback": ("callback",), "approval": ("approval", "rejection")}
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,10 @@ class SignalResult:
 def _task_id(tt: TaskTable, raw: str) -> Any:
     return parse_task_id(tt, raw, SignalError)
 
+
+def answers(kind: str, awaited: str) -> bool:
+    """Whether a signal of ``kind`` answers a task that awaits ``awaited`` (see the module docstring)."""
+    return kind in ANSWERED_BY.get(awaited, KINDS)
 
 
 def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, payload: str | None = None,
@@ -67,6 +78,10 @@ def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, pay
             raise SignalError(f"task {task_id} awaits no signal")
         if received is not None:
             raise SignalError(f"task {task_id} already received its signal {awaits!r}")
+        if not answers(kind, str(awaits)):
+            expected = " or ".join(repr(k) for k in ANSWERED_BY[str(awaits)])
+            raise SignalError(f"task {task_id} awaits {awaits!r}: a {kind!r} signal does not answer it "
+                              f"(send {expected})")
         if status != st.pending:
             raise SignalError(f"task {task_id} is {status!r}, not pending: a signal cannot change it")
         now = db_now(tt.dialect_name)

@@ -3,7 +3,9 @@
 ``init`` applies the migrations (idempotent: a database at head is left as it is) and, with
 ``demo_schema``, creates the reference legacy tables if they are missing. ``uninstall`` runs the
 migrations down and drops the version table; it cannot reach the scheduler's tables because it
-only ever drops objects the migrations created, all prefixed ``pollbridge_``.
+only ever drops objects the migrations created, all prefixed ``pollbridge_``. :func:`uninstall_all` also
+empties the bus (:meth:`bridge.bus.base.EventBus.purge_all`: on Redis every key of pollbridge's
+namespace), after checking that the bus answers, so an unreachable bus changes nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
+from bridge.bus.base import EventBus
 from bridge.capture.triggers import install_capture, remove_capture
+from bridge.core.errors import first_line
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db import migrate
@@ -69,3 +73,26 @@ def uninstall(engine: Engine) -> list[str]:
         migrate.downgrade_all(engine)
     after = set(migrate.owned_tables(engine))
     return [t for t in before if t not in after]
+
+
+@dataclass(frozen=True)
+class UninstallResult:
+    dropped: tuple[str, ...]  # pollbridge's tables that were dropped
+    bus_removed: int | None  # keys (or rows) of the bus removed; None: the bus was not touched (or failed)
+    bus_error: str | None = None  # the bus failed after the tables were dropped: why its data is left
+
+
+def uninstall_all(engine: Engine, bus: EventBus | None) -> UninstallResult:
+    """:func:`uninstall`, then empty ``bus`` (``None``: leave the bus alone, or it lives in the dropped tables).
+
+    The bus is asked first (a read): when it cannot be reached, this raises before anything is removed."""
+    check_connection(engine)
+    if bus is not None:
+        bus.dead_letter_count()
+    dropped = tuple(uninstall(engine))
+    if bus is None:
+        return UninstallResult(dropped, None)
+    try:
+        return UninstallResult(dropped, bus.purge_all())
+    except Exception as exc:  # the bus went away after answering: the tables are gone, say what is left
+        return UninstallResult(dropped, None, first_line(exc))

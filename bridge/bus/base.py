@@ -52,6 +52,11 @@ The contract, for every implementation:
   ``delivery_state(group, event)`` is the same for one event. A backend that cannot tell raises
   ``NotImplementedError``.
 * **dead_letter_count()** is how many dead letters the bus holds (all groups), without listing them.
+* **purge_all()** deletes everything the bus holds for this installation (entries of every partition,
+  consumer groups and their pending entries, dead letters; on Redis also the epoch and the scheduler's
+  leases: every key of the namespace, and nothing outside it) and returns how many keys (Redis) or rows
+  (embedded) it removed; purging an empty bus returns 0. Afterwards the bus is as new: a consumer
+  calls ``ensure_group`` again. ``pollbridge uninstall`` uses it.
 * **Partition leases beside the bus.** ``leases()`` returns a :class:`BusLeases` when the bus keeps
   the event scheduler's partition leases itself (atomic on its server, by its clock: Redis), or
   ``None`` (the embedded bus): the scheduler then keeps them in its database. The scheduler's
@@ -274,6 +279,10 @@ class EventBus(ABC):
     def dead_letter_count(self) -> int:
         """How many dead letters the bus holds (every group). By default by listing them; backends count."""
         return len(self.dead_letters(100_000))
+
+    def purge_all(self) -> int:
+        """Delete everything this bus holds (see the contract); how many keys or rows were removed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be purged")
 
     def leases(self) -> BusLeases | None:
         """The scheduler's partition leases kept beside this bus, or ``None``: keep them in the database."""

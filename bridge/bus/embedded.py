@@ -444,6 +444,12 @@ class EmbeddedBus(EventBus):
             conn.rollback()
         return int(n)
 
+    def purge_all(self) -> int:
+        """Empty the bus's four tables in one transaction (``uninstall`` then drops them with the migrations)."""
+        with self._engine.begin() as conn:
+            return sum(int(conn.execute(table.delete()).rowcount)
+                       for table in (bus_pending, bus_groups, bus_dead, bus_log))
+
     # ------------------------------------------------------------------ looking up events (read-only)
 
     def delivery_states(self, group: str, events: Sequence[EventRef]) -> dict[str, EventDelivery]:

@@ -668,6 +668,10 @@ class RedisStreamsBus(EventBus):
         _, token = pipe.execute()
         return _text(token)
 
+    def purge_all(self) -> int:
+        """Delete every key of this bus's namespace (:func:`delete_namespace`); how many there were."""
+        return delete_namespace(self._client, self.keys.namespace)
+
     def close(self) -> None:
         if self._owned:
             self._client.close()

@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
-from bridge.core.events import SOURCE, SPECVERSION, TASK_STATUS_CHANGED
+from bridge.core.events import SOURCE, SPECVERSION, TASK_SIGNAL_RECEIVED, TASK_STATUS_CHANGED
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now
 from bridge.db.schema import outbox, outbox_dead, relay_state
@@ -36,7 +36,8 @@ def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
     data = build("task_id", o.task_id, "instance_id", o.instance_id, "workflow_type", o.workflow_type,
                  "task_key", o.task_key, "old_status", o.old_status, "new_status", o.new_status,
                  "change", o.change, "version", o.id)
-    envelope = build("specversion", SPECVERSION, "id", o.event_id, "source", SOURCE, "type", TASK_STATUS_CHANGED,
+    envelope = build("specversion", SPECVERSION, "id", o.event_id, "source", SOURCE, "type",
+                     sa.case((o.change == "signal", TASK_SIGNAL_RECEIVED), else_=TASK_STATUS_CHANGED),
                      "subject", o.task_id, "time", time, "datacontenttype", "application/json",
                      "partitionkey", o.instance_id, "depth", 0, "traceid", o.trace_id, "data", data)
     return sa.cast(envelope, sa.Text).label("payload")

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Connection, Engine
 
@@ -41,7 +42,8 @@ from bridge.capture.queries import RelayQueries
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
 from bridge.capture.triggers import NOTIFY_CHANNEL
 from bridge.core.backoff import Backoff
-from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, EventFormatError, encoded_event
+from bridge.core.errors import first_line
+from bridge.core.events import CloudEvent, EventFormatError, change_event_type, encoded_event
 from bridge.core.idle import idle_poll
 from bridge.core.mapping import StatusValues
 from bridge.core.settings import RelaySettings, WakeMode
@@ -49,6 +51,7 @@ from bridge.core.urls import mask_url
 from bridge.db.clock import as_utc
 from bridge.db.engine import finds_a_row, read_only
 from bridge.db.listen import ListenWaiter, Waiter
+from bridge.db.schema import relay_state
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
     created = as_utc(row.created_at) or datetime.now(UTC)
     return CloudEvent(
         id=row.event_id,
-        type=TASK_STATUS_CHANGED,
+        type=change_event_type(row.change),
         subject=row.task_id,
         partitionkey=row.instance_id,
         time=created,
@@ -327,6 +330,7 @@ class Relay:
         backoff = Backoff()
         next_heartbeat = next_epoch = next_purge = 0.0
         leader = False
+        standby_of: str | None = None  # while a standby: who held the partition when it started waiting
         paused = False
         handled = -1  # unknown before the first claim
         last_rows = time.monotonic()
@@ -344,10 +348,19 @@ class Relay:
                         # its connection, and checking that connection once per timeout is enough.
                         next_heartbeat = now + self.settings.lease_timeout / (1 if self.pg else 2)
                         if leader and not was:
-                            log.info("relay %s holds partition %d", self.leadership.holder, self.partition)
+                            if standby_of is not None:
+                                log.info("relay %s: took over partition %d (previously held by %s)",
+                                         self.leadership.holder, self.partition, standby_of)
+                            else:
+                                log.info("relay %s holds partition %d", self.leadership.holder, self.partition)
+                            standby_of = None
                             self._armed = True
                             self._set_armed(False)
                         if not leader:  # a hot standby: retry soon so a takeover is quick
+                            if standby_of is None:  # said once, not at every retry
+                                standby_of = self._holder_for_log()
+                                log.info("relay %s: standby for partition %d (held by %s)", self.leadership.holder,
+                                         self.partition, standby_of)
                             stop.wait(min(1.0, self.settings.lease_timeout / 3))
                             continue
                     if now >= next_epoch:
@@ -394,6 +407,17 @@ class Relay:
             self._drop_connection()
             self.leadership.release()
             self.metrics.leader.labels(**self._labels).set(0)
+
+    def _holder_for_log(self) -> str:
+        """Who holds this relay's partition (``pollbridge_relay_state.holder``), for the standby's log line only."""
+        try:
+            with (self._reader or self.engine).connect() as conn:
+                holder = conn.execute(sa.select(relay_state.c.holder)
+                                      .where(relay_state.c.relay_partition == self.partition)).scalar()
+                conn.rollback()
+        except Exception as exc:  # a log line must not stop the relay: the loop meets the outage itself
+            return f"unknown ({first_line(exc)})"
+        return str(holder) if holder else "unknown"
 
     def _idle(self, waiter: Waiter, listen: bool, last_rows: float) -> None:
         s = self.settings

@@ -8,17 +8,19 @@ and none of them imports :mod:`bridge.cli.main` back.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 from rich.console import Console
 
 from bridge.app.components import Components
-from bridge.core.errors import PollbridgeError, first_line
+from bridge.core.errors import ConfigError, PollbridgeError, first_line
 from bridge.core.settings import Settings, load_settings
 from bridge.core.urls import mask_url
 
@@ -33,7 +35,21 @@ def fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-class PollbridgeGroup(click.Group):
+class WholeHelpGroup(click.Group):
+    """A group whose ``--help`` lists each command with its short help whole (wrapped, never cut with "...")."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class PollbridgeGroup(WholeHelpGroup):
     """Turns :class:`PollbridgeError` into a one-line message and its exit code."""
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -51,6 +67,19 @@ class PollbridgeGroup(click.Group):
                 raise
             reason = first_line(exc)
             fail(f"{'database' if isinstance(exc, OperationalError) else 'bus'} error: {mask_urls(reason)}", 1)
+
+
+def confirm(question: str) -> bool:
+    """Ask on stderr (stdout stays the command's output, JSON included); no answer (end of input) is a no.
+    When the answer is not echoed (input from a pipe), the question's line is ended, so an error after a
+    no is still a line of its own."""
+    try:
+        answer = click.confirm(question, err=True)
+    except click.Abort:
+        answer = False
+    if not sys.stdin.isatty():
+        click.echo(err=True)
+    return answer
 
 
 def mask_urls(text: str) -> str:
@@ -93,3 +122,28 @@ def stop_on_signals() -> threading.Event:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop
+
+
+def check_output_path(path: str, option: str = "--output") -> Path:
+    """The file an option names to write, checked before any work is done: its folder exists and may be
+    written, and the file itself (if it exists) is a file that may be written. Bad input: exit 2."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory; give a file name")
+    if not folder.is_dir():
+        raise ConfigError(f"{option} {path}: the folder {str(folder)!r} does not exist")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ConfigError(f"{option} {path}: the file cannot be written (permission denied)")
+    if not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: the folder {str(folder)!r} cannot be written (permission denied)")
+    return target
+
+
+def write_output(target: Path, text: str, option: str = "--output") -> None:
+    """Write ``text`` to a file checked by :func:`check_output_path`; a failure (disk full, the folder
+    removed meanwhile) is one line, exit 1."""
+    try:
+        target.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        fail(f"{option} {target}: cannot write: {exc.strerror or first_line(exc)}", 1)

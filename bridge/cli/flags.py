@@ -1,8 +1,10 @@
 """``pollbridge flags list|set|history`` and ``pollbridge rollback``: what operators touch.
 
-Exit codes: 0 done (or nothing to change), 1 a gate refused the promotion, 2 bad input (unknown
-phase, bad type name or percentage, a skipped step without ``--force``, a missing reason). Nothing
-is written unless the whole change is valid and allowed.
+Exit codes: 0 done (or nothing to change), 1 a gate refused the promotion (or the database cannot be
+read), 2 bad input (unknown phase, bad type name or percentage, a name that is no workflow type, a
+skipped step without ``--force``, a missing reason). Nothing is written unless the whole change is valid
+and allowed. ``--force`` and ``--all`` are taken from the command line only, never from the environment:
+an override or a change to every type is typed, not inherited.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from rich.table import Table
 from sqlalchemy.engine import Engine
 
 from bridge.app.components import Components
-from bridge.cli.common import JSON_OPTION, components_of
+from bridge.cli.common import JSON_OPTION, WholeHelpGroup, components_of
 from bridge.core.errors import FlagError, GateRefused
 from bridge.core.phases import PHASES, Flag
 from bridge.db.engine import check_connection, create_engine, read_only
 from bridge.flags.store import FlagChange, describe, validate_type_name
-from bridge.reconcile.gate import GateResult
+from bridge.reconcile.gate import GateResult, require_known_types, unknown_type_message, unknown_types
 from bridge.rollout.promotion import default_actor, rollback, set_phase
 from bridge.tasktable.tables import TaskTable, reflect_tables
 
@@ -50,7 +52,7 @@ def _flag_json(flag: Flag, source: str) -> dict[str, Any]:
             "updated_by": flag.updated_by, "source": source}
 
 
-@click.group()
+@click.group(cls=WholeHelpGroup)
 def flags() -> None:
     """Per-workflow-type phases: polling -> dual_write -> selective -> cutover."""
 
@@ -112,8 +114,9 @@ def _print_gate(gate: GateResult) -> None:
 @click.option("--reason", default=None, envvar="POLLBRIDGE_FLAG_REASON", show_envvar=True,
               help="Why (required; kept in the audit trail).")
 @ACTOR_OPTION
-@click.option("--force", is_flag=True, envvar="POLLBRIDGE_FLAG_FORCE", show_envvar=True,
-              help="Override a refused gate or a skipped step (audited as forced).")
+@click.option("--force", is_flag=True,
+              help="Override a refused gate or a skipped step (audited as forced); set a type that has no task "
+                   "yet. Command line only (no environment variable).")
 @click.option("--grace", type=float, default=None, envvar="POLLBRIDGE_FLAG_GRACE", show_envvar=True,
               help="Seconds a canary task may wait before the poller dispatches it as a fallback "
                    "[default from config: router.grace].")
@@ -138,9 +141,9 @@ def flags_set(ctx: click.Context, workflow_type: str, phase: str, percent: float
         check_connection(engine)
         store = components.flag_store(engine)
         tt = reflect_tables(engine, settings.mapping)
-        if workflow_type not in store.all() and workflow_type not in _known_types(engine, tt) and not force:
-            raise FlagError(f"unknown workflow type {workflow_type!r}: no task of that type in "
-                            f"{settings.mapping.table!r}; check the name, or pass --force to set it ahead of its tasks")
+        if not force and unknown_types(engine, tt, [workflow_type], store):
+            raise FlagError(unknown_type_message(workflow_type, settings.mapping.table)
+                            + ", or pass --force to set it ahead of its tasks")
         grace_value = grace if grace is not None else (settings.router.grace
                                                        if workflow_type not in store.all() else None)
         try:
@@ -192,7 +195,10 @@ def flags_history(ctx: click.Context, workflow_type: str | None, limit: int, as_
     engine = _engine(components)
     try:
         check_connection(engine)
-        changes = components.flag_store(engine).history(workflow_type, limit=limit)
+        store = components.flag_store(engine)
+        if workflow_type is not None and workflow_type not in store.all():
+            require_known_types(engine, reflect_tables(engine, components.settings.mapping), [workflow_type], store)
+        changes = store.history(workflow_type, limit=limit)
     finally:
         engine.dispose()
     if as_json:
@@ -207,8 +213,8 @@ def flags_history(ctx: click.Context, workflow_type: str | None, limit: int, as_
 
 @click.command("rollback")
 @click.argument("workflow_type", required=False)
-@click.option("--all", "all_types", is_flag=True, envvar="POLLBRIDGE_ROLLBACK_ALL", show_envvar=True,
-              help="Every workflow type that is not in polling.")
+@click.option("--all", "all_types", is_flag=True,
+              help="Every workflow type that is not in polling. Command line only (no environment variable).")
 @click.option("--reason", default=None, envvar="POLLBRIDGE_FLAG_REASON", show_envvar=True,
               help="Why (required; kept in the audit trail).")
 @ACTOR_OPTION
@@ -229,6 +235,9 @@ def rollback_cmd(ctx: click.Context, workflow_type: str | None, all_types: bool,
     try:
         check_connection(engine)
         store = components.flag_store(engine)
+        if workflow_type is not None and workflow_type not in store.all():
+            # The way back must stay open: a type with a flag is rolled back without reading the task table.
+            require_known_types(engine, reflect_tables(engine, components.settings.mapping), [workflow_type], store)
         changes = rollback(store, None if all_types else [workflow_type or ""], reason=reason or "",
                            actor=actor or default_actor())
     finally:

@@ -18,7 +18,7 @@ import click
 from sqlalchemy.engine import Engine
 
 from bridge.app.components import OptionalBus
-from bridge.cli.common import JSON_OPTION, components_of, stop_on_signals
+from bridge.cli.common import JSON_OPTION, WholeHelpGroup, components_of, stop_on_signals
 from bridge.core.errors import FlagStoreUnavailable
 from bridge.core.runtime import settle_heap
 from bridge.core.urls import mask_url
@@ -44,7 +44,7 @@ def _guardian(ctx: click.Context, engine: Engine, interval: float | None, regist
                                interval=interval), bus
 
 
-@click.group()
+@click.group(cls=WholeHelpGroup)
 def guardian() -> None:
     """The guardian: demotes a workflow type to polling when its event path fails (stuck outbox,
     consumer lag, fallback misses)."""

@@ -1,8 +1,9 @@
 """``pollbridge``: the command-line interface.
 
-Every option can also be set through the environment variable shown in ``--help``. Exit codes:
-0 ok, 1 a check or gate failed (or the database could not be reached), 2 usage or bad input.
-Expected errors print one line on stderr, never a traceback.
+Every option can also be set through the environment variable shown in ``--help``, except the ones that
+override a gate or destroy data (``--force``, ``--yes``, ``--all``): those are taken from the command line
+only. Exit codes: 0 ok, 1 a check or gate failed (or the database or the bus could not be reached),
+2 usage or bad input. Expected errors print one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from bridge.app import install
 from bridge.cli.common import (
     JSON_OPTION,
     PollbridgeGroup,
+    WholeHelpGroup,
     bus_error,
     components_of,
+    confirm,
     err_console,
     fail,
+    mask_urls,
     settings_of,
     stop_on_signals,
 )
@@ -36,9 +40,10 @@ from bridge.cli.preflight import preflight
 from bridge.cli.reconcile import reconcile
 from bridge.cli.runall import run_all
 from bridge.cli.serve import serve
+from bridge.core.errors import first_line
 from bridge.core.runtime import enable_stack_dumps, settle_heap
 from bridge.core.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL
-from bridge.core.urls import mask_url
+from bridge.core.urls import bus_scheme, mask_url
 from bridge.db.engine import check_connection
 
 
@@ -65,8 +70,9 @@ def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_ur
 @cli.command()
 @click.option("--demo-schema", is_flag=True, envvar="POLLBRIDGE_DEMO_SCHEMA", show_envvar=True,
               help="Also create the reference legacy tables (workflow_instances, tasks) if missing.")
+@JSON_OPTION
 @click.pass_context
-def init(ctx: click.Context, demo_schema: bool) -> None:
+def init(ctx: click.Context, demo_schema: bool, as_json: bool) -> None:
     """Install pollbridge's own objects (idempotent)."""
     settings = settings_of(ctx)
     engine = components_of(ctx).engine()
@@ -74,6 +80,14 @@ def init(ctx: click.Context, demo_schema: bool) -> None:
         result = install.init(engine, demo_schema=demo_schema, mapping=settings.mapping, capture=settings.capture)
     finally:
         engine.dispose()
+    if as_json:
+        click.echo(json.dumps({
+            "database": mask_url(settings.database_url), "revision_before": result.revision_before,
+            "revision_after": result.revision_after, "migrated": result.revision_before != result.revision_after,
+            "demo_tables_created": list(result.demo_tables_created),
+            "capture_installed": result.capture_installed, "table": settings.mapping.table,
+            "wake": settings.capture.wake}, indent=2))
+        return
     if result.demo_tables_created:
         click.echo(f"created demo tables: {', '.join(result.demo_tables_created)}")
     if result.capture_installed:
@@ -86,20 +100,62 @@ def init(ctx: click.Context, demo_schema: bool) -> None:
 
 
 @cli.command()
-@click.option("--yes", is_flag=True, envvar="POLLBRIDGE_YES", show_envvar=True,
-              help="Do not ask for confirmation.")
+@click.option("--yes", is_flag=True,
+              help="Do not ask for confirmation. Command line only (no environment variable).")
+@click.option("--keep-bus", is_flag=True, envvar="POLLBRIDGE_UNINSTALL_KEEP_BUS", show_envvar=True,
+              help="Leave the Redis bus's keys (pollbridge's namespace) as they are; they are listed as left.")
+@JSON_OPTION
 @click.pass_context
-def uninstall(ctx: click.Context, yes: bool) -> None:
-    """Remove pollbridge's objects. The scheduler's own tables are never touched."""
-    settings = settings_of(ctx)
-    if not yes and not click.confirm(f"Remove pollbridge's objects from {mask_url(settings.database_url)}?"):
+def uninstall(ctx: click.Context, yes: bool, keep_bus: bool, as_json: bool) -> None:
+    """Remove pollbridge's objects and its bus's data (on Redis, every key of pollbridge's namespace; the
+    embedded bus's tables go with the other tables). The scheduler's own tables are never touched. When
+    the bus cannot be reached, nothing is removed (exit 1) unless --keep-bus says to leave it."""
+    import redis
+
+    from bridge.app.components import BUS_TIMEOUT
+
+    components = components_of(ctx)
+    settings = components.settings
+    database = mask_url(settings.database_url)
+    embedded = bus_scheme(settings.bus_url) == "embedded"
+    bus_label = f"the keys of namespace {settings.bus.namespace!r} on {mask_url(settings.bus_url)}"
+    what = f"pollbridge's objects from {database}" + ("" if embedded or keep_bus else f" and {bus_label}")
+    if not yes and not confirm(f"Remove {what}?"):
         fail("aborted: nothing removed", 1)
-    engine = components_of(ctx).engine()
+    engine = components.engine()
+    bus = None
     try:
-        dropped = install.uninstall(engine)
+        if not embedded and not keep_bus:
+            bus = components.bus(engine, timeout=BUS_TIMEOUT)
+        try:
+            result = install.uninstall_all(engine, bus)
+        except (redis.RedisError, OSError) as exc:
+            fail(f"cannot reach the bus {mask_url(settings.bus_url)}: {first_line(exc).rstrip('.')}; nothing removed "
+                 "(--keep-bus removes pollbridge from the database alone and leaves the bus's keys)", 1)
     finally:
+        if bus is not None:
+            bus.close()
         engine.dispose()
-    click.echo(f"removed: {', '.join(dropped)}" if dropped else "nothing to remove")
+    if embedded:
+        bus_state, bus_text = "dropped", "the embedded bus's tables went with pollbridge's tables"
+    elif keep_bus:
+        bus_state, bus_text = "kept", f"left (--keep-bus): {bus_label}"
+    elif result.bus_error is not None:
+        bus_state, bus_text = "left", f"left: {bus_label} (the bus failed: {result.bus_error})"
+    else:
+        bus_state, bus_text = "removed", f"bus: removed {result.bus_removed} key(s) of namespace " \
+                                         f"{settings.bus.namespace!r} on {mask_url(settings.bus_url)}"
+    if as_json:
+        click.echo(json.dumps({"database": database, "removed": list(result.dropped),
+                               "bus": {"url": mask_url(settings.bus_url),
+                                       "namespace": None if embedded else settings.bus.namespace,
+                                       "state": bus_state, "keys_removed": result.bus_removed,
+                                       "error": result.bus_error}}, indent=2))
+    else:
+        click.echo(f"removed: {', '.join(result.dropped)}" if result.dropped else "nothing to remove")
+        click.echo(bus_text)
+    if result.bus_error is not None:
+        fail(f"the bus's data is left: {mask_urls(result.bus_error)}", 1)
 
 
 @cli.command()
@@ -125,8 +181,9 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--instances", default=30, type=click.IntRange(1, 1_000_000), envvar="POLLBRIDGE_DEMO_INSTANCES",
-              show_envvar=True, help="Workflow instances to seed.")
+@click.option("--instances", default=150, type=click.IntRange(1, 1_000_000), envvar="POLLBRIDGE_DEMO_INSTANCES",
+              show_envvar=True, help="Workflow instances to seed, split over the five stages (fewer than the "
+              "default give the gates too little evidence: they are then forced, and the output says why).")
 @click.option("--tasks-per-instance", default=6, type=click.IntRange(1, 1000),
               envvar="POLLBRIDGE_DEMO_TASKS_PER_INSTANCE", show_envvar=True, help="Tasks in each instance's DAG.")
 @click.option("--poll-interval", default=1.0, type=click.FloatRange(0.01, 3600), envvar="POLLBRIDGE_POLL_INTERVAL",
@@ -151,8 +208,9 @@ def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_inter
     settings = settings_of(ctx)
     options = DemoOptions(instances=instances, tasks_per_instance=tasks_per_instance,
                           poll_interval=poll_interval, timeout=timeout, workload_file=workload_file)
+    # Transient: the bar is gone once the demo ends, so an error after it is still one line on stderr.
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err_console, transient=as_json) as bar:
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("tasks settled", total=None)
 
         def report(done: int, total: int) -> None:
@@ -161,7 +219,10 @@ def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_inter
         def stage(label: str) -> None:
             bar.update(task, description=f"{label}: tasks settled", completed=0, total=None)
 
-        summary = run_demo(settings, options, progress=report, stage_started=stage)
+        def say(line: str) -> None:  # on stderr, above the bar: stdout keeps only the result (or the JSON)
+            bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+        summary = run_demo(settings, options, progress=report, stage_started=stage, say=say)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -170,63 +231,126 @@ def demo(ctx: click.Context, instances: int, tasks_per_instance: int, poll_inter
 
 
 def _print_demo(s: dict[str, Any]) -> None:
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    """The demo's result for a person: the verdict first, then each stage, then how to read the figures."""
+    from bridge.app.demo import gate_brief, gate_text, passed
+
+    # Prose is not wrapped here (the terminal wraps it, a pipe gets whole lines); the table fits the width.
+    console = Console(width=None if sys.stdout.isatty() else 150, highlight=False, soft_wrap=True)
     phases = s.get("phases", [])
+    ok = passed(s)
 
-    def lat(stage: dict[str, Any], path: str) -> str:
-        p = stage["paths"].get(path)
-        return f"{p['p50_ms']} / {p['p99_ms']} ms" if p else "-"
+    def name(st: dict[str, Any]) -> str:
+        return f"{st['phase']} {st['percent']:g}%" if st.get("percent") is not None else str(st["phase"])
 
-    table = Table(title=f"pollbridge demo: the migration on {s['database']} ({', '.join(s.get('workflow_types', []))})")
-    table.add_column("measure")
-    for stage in phases:
-        table.add_column(stage["phase"] + (f" {stage['percent']:g}%" if stage.get("percent") else ""), justify="right")
+    def num(value: float | None) -> str:
+        if value is None:
+            return "-"
+        if value == int(value) or abs(value) >= 10:
+            return f"{value:,.0f}"
+        return f"{value:.2f}" if abs(value) < 1 else f"{value:.1f}"
+
+    def pair(values: dict[str, Any] | None, kind: str) -> str:
+        """``poller / event path`` (``-``: that path made no dispatch in the stage)."""
+        cells = []
+        for path in ("poller", "events"):
+            figures = (values or {}).get(path)
+            if figures is None:
+                cells.append("-")
+            elif kind == "rest":  # pollbridge's own tables and transaction control
+                cells.append(num(figures.get("pollbridge", 0) + figures.get("other", 0)))
+            else:
+                cells.append(num(figures.get(kind, 0)))
+        return " / ".join(cells)
+
+    def latency(quantile: str) -> Any:
+        def cell(st: dict[str, Any]) -> str:
+            return " / ".join(num(st["paths"].get(path, {}).get(quantile)) for path in ("poller", "events"))
+        return cell
+
+    def dispatches(st: dict[str, Any]) -> str:
+        by = st.get("dispatches_by_path", {})
+        events = f"{st['shadow_decisions']} shadow" if st.get("shadow_decisions") else str(by.get("events", "-"))
+        return f"{by.get('poller', '-')} / {events}"
+
+    def missed(st: dict[str, Any]) -> str:
+        if st.get("reconcile"):
+            return str(sum(t.get("missing", 0) for t in st["reconcile"]["types"]))
+        return str(st["misses"]) if st["flag"] in ("selective", "cutover") else "-"
+
+    backend = s.get("backend", {})
+    console.print(f"[bold]pollbridge demo[/bold]: {s.get('instances') or 'the'} workflow instances of "
+                  f"{', '.join(s.get('workflow_types', []))} ({s['tasks']} tasks) through "
+                  f"{' → '.join(name(st) for st in phases) or 'nothing'}")
+    console.print(f"figures from {escape(backend.get('description', s['database']))}")
+    console.print()
+    colours = ("bold", "bold green" if ok else "bold red", "bold")
+    for colour, line in zip(colours, s.get("verdict", []), strict=False):
+        console.print(f"  [{colour}]{escape(line)}[/{colour}]")
+    console.print()
+
+    table = Table(title="stage by stage, a fresh slice of the workload each (cells: poller / event path)",
+                  title_justify="left")
+    table.add_column("")
+    for st in phases:
+        table.add_column(name(st), justify="right")
     rows: list[tuple[str, Any]] = [
-        ("tasks", lambda st: str(st["tasks"])),
-        ("poller: ready→dispatch p50 / p99", lambda st: lat(st, "poller")),
-        ("events: ready→dispatch p50 / p99", lambda st: lat(st, "events")),
-        ("fallback dispatches (misses)", lambda st: str(st["misses"])),
-        ("statements per dispatch: poller", lambda st: str(st["statements_per_dispatch"]["poller"] or "-")),
-        ("statements per dispatch: events", lambda st: str(st["statements_per_dispatch"]["events"] or "-")),
-        ("idle statements/s: poller", lambda st: str(st["idle_statements_per_s"]["poller"])),
-        ("idle statements/s: events", lambda st: str(st["idle_statements_per_s"]["events"])),
+        ("instances / tasks", lambda st: f"{st['instances']} / {st['tasks']}"),
+        ("dispatches", dispatches),
+        ("ready→dispatch p50, ms", latency("p50_ms")),
+        ("ready→dispatch p99, ms", latency("p99_ms")),
+        ("missed by the event path", missed),
+        ("task-table statements per dispatch ¹", lambda st: pair(st.get("statements_per_dispatch_by_table"),
+                                                                 "task_table")),
+        ("bus statements per dispatch ²", lambda st: pair(st.get("statements_per_dispatch_by_table"), "bus")),
+        ("other statements per dispatch ³", lambda st: pair(st.get("statements_per_dispatch_by_table"), "rest")),
+        ("task-table statements per idle s ¹", lambda st: pair(st.get("idle_statements_per_s_by_table"),
+                                                               "task_table")),
+        ("bus statements per idle s ²", lambda st: pair(st.get("idle_statements_per_s_by_table"), "bus")),
+        ("other statements per idle s ³", lambda st: pair(st.get("idle_statements_per_s_by_table"), "rest")),
         ("lost / double / early", lambda st: f"{st['lost']} / {st['double_dispatched']} / {st['early']}"),
-        ("gate", lambda st: "-" if not st.get("gate") else
-         ("passed" if all(g["passed"] for g in st["gate"].values()) else "refused, forced")),
+        ("gate into the phase", gate_brief),
     ]
-    for name, cell in rows:
-        table.add_row(name, *(cell(stage) for stage in phases))
+    for label, cell in rows:
+        table.add_row(label, *(cell(st) for st in phases))
     console.print(table)
-    polling = next((st for st in phases if st["phase"] == "polling"), None)
-    cutover = next((st for st in phases if st["phase"] == "cutover"), None)
-    if polling and cutover:
-        side = Table(title="the two paths side by side (polling stage vs cutover stage)")
-        side.add_column("measure")
-        side.add_column("legacy poller", justify="right")
-        side.add_column("event path", justify="right")
-        side.add_row("ready→dispatch p50 / p99", lat(polling, "poller"), lat(cutover, "events"))
-        side.add_row("statements per dispatch", str(polling["statements_per_dispatch"]["poller"]),
-                     str(cutover["statements_per_dispatch"]["events"]))
-        side.add_row("idle statements per second", str(polling["idle_statements_per_s"]["poller"]),
-                     str(cutover["idle_statements_per_s"]["events"]))
-        side.add_row("misses", "-", str(cutover["misses"]))
-        side.add_row("lost / double / early",
-                     f"{polling['lost']} / {polling['double_dispatched']} / {polling['early']}",
-                     f"{cutover['lost']} / {cutover['double_dispatched']} / {cutover['early']}")
-        console.print(side)
-    for stage in phases:
-        rec = stage.get("reconcile")
+    tables = ", ".join(s.get("task_tables", [])) or "the task table"
+    console.print(f"¹ statements naming the scheduler's tables ({tables}): what scanning them costs")
+    console.print("² " + ("the embedded bus reading and writing its own log, in this same database (on Redis: "
+                          "Redis commands)" if backend.get("bus_statements_counted", True) else
+                          "none: the bus is Redis, whose commands are not database statements"))
+    console.print("³ pollbridge's outbox, dispatch log, decisions, flags and leases, and transaction control")
+    console.print("counted on each path's own connections; per dispatch: over the stage (dual_write: per shadow "
+                  "decision); per idle s: 2 s with nothing to do")
+    console.print()
+
+    gates = s.get("gate_settings", {})
+    demo_gates, prod = gates.get("demo"), gates.get("production_defaults", {})
+    if demo_gates:
+        console.print(f"gates (demo settings for this run): min_tasks {demo_gates['min_tasks']} per type (production "
+                      f"default {prod['min_tasks']:,}), miss budget {demo_gates['miss_budget']:.0%} "
+                      f"({prod['miss_budget']:.1%})")
+        console.print(f"  at {demo_gates['confidence']:.0%} confidence, no early or duplicate dispatch; "
+                      "each judged on the evidence since the type entered its current phase")
+    for st in phases:
+        if st.get("gate"):
+            console.print(f"  into {name(st)}: {escape(gate_text(st['gate']))}")
+        elif st["phase"] == "rollback":
+            console.print("  into rollback: never gated, the way back is always open")
+    for st in phases:
+        rec = st.get("reconcile")
         if rec:
-            counts = ", ".join(f"{t['workflow_type']}: {t['matched']} matched, {t['missing']} missing, "
-                               f"{t['early']} early" for t in rec["types"])
-            console.print(f"reconciler in dual_write: verdict {rec['verdict']} ({counts})")
-    console.print(f"overall: {s['tasks']} tasks, {s['dispatches']} dispatches, lost {s['lost']}, "
-                  f"double {s['double_dispatched']}, early {s['early']}, {s['elapsed_s']} s")
+            matched = ", ".join(f"{t['workflow_type']} {t['matched']}" for t in rec["types"])
+            console.print(f"reconciler over dual_write: {rec['verdict']}, matched {matched}; "
+                          f"{sum(t['missing'] for t in rec['types'])} missing, "
+                          f"{sum(t['early'] for t in rec['types'])} early")
+    console.print(f"overall: {s['tasks']} tasks, {s['dispatches']} dispatches, lost {s['lost']}, double "
+                  f"{s['double_dispatched']}, early {s['early']}, {s['elapsed_s']:.0f} s"
+                  + ("" if ok else ": [bold red]FAILED[/bold red]"))
     for problem in s["problems"]:
-        console.print(f"[red]problem:[/red] {problem}")
+        console.print(f"[red]problem:[/red] {escape(problem)}")
 
 
-@cli.group()
+@cli.group(cls=WholeHelpGroup)
 def poller() -> None:
     """The reference legacy poller."""
 
@@ -280,7 +404,7 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
         engine.dispose()
 
 
-@cli.group()
+@cli.group(cls=WholeHelpGroup)
 def relay() -> None:
     """The outbox relay: captured changes to the event bus."""
 
@@ -319,7 +443,7 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
         engine.dispose()
 
 
-@cli.group()
+@cli.group(cls=WholeHelpGroup)
 def scheduler() -> None:
     """The event-driven scheduler."""
 
@@ -328,7 +452,7 @@ def scheduler() -> None:
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="POLLBRIDGE_METRICS_PORT",
               show_envvar=True, help="Also serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--phase", type=click.Choice(["polling", "dual_write", "selective", "cutover"]), default=None,
-              envvar="POLLBRIDGE_SCHEDULER_PHASE", show_envvar=True,
+              envvar="POLLBRIDGE_SCHEDULER_PHASE", show_envvar=True, hidden=True,
               help="Assume this phase for every workflow type instead of following the flags (benchmarks, tests) "
                    "[default from config: follow the flags].")
 @click.pass_context
@@ -390,9 +514,13 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
               help="JSON payload to record with the signal.")
 @click.option("--actor", default=None, envvar="POLLBRIDGE_ACTOR", show_envvar=True,
               help="Who sends it [default: the operating-system user].")
+@JSON_OPTION
 @click.pass_context
-def signal_(ctx: click.Context, task_id: str, kind: str, payload: str | None, actor: str | None) -> None:
-    """Record an external callback, approval or rejection for TASK_ID."""
+def signal_(ctx: click.Context, task_id: str, kind: str, payload: str | None, actor: str | None,
+            as_json: bool) -> None:
+    """Record an external callback, approval or rejection for TASK_ID. A task that awaits a signal named
+    callback takes only a callback; one that awaits approval an approval or a rejection (exit 2 otherwise,
+    nothing recorded)."""
     from bridge.tasktable.tables import reflect_tables
     from event_scheduler.signals import record_signal
 
@@ -404,11 +532,15 @@ def signal_(ctx: click.Context, task_id: str, kind: str, payload: str | None, ac
         result = record_signal(engine, tables, task_id, kind, payload=payload, actor=actor)
     finally:
         engine.dispose()
+    if as_json:
+        click.echo(json.dumps({"task_id": result.task_id, "kind": result.kind, "status": result.new_status},
+                              indent=2))
+        return
     click.echo(f"task {result.task_id}: {result.kind} recorded (status {result.new_status})")
 
 
 
-@cli.group()
+@cli.group(cls=WholeHelpGroup)
 def dlq() -> None:
     """Dead letters of the event path: list, replay after a fix, purge."""
 
@@ -450,10 +582,11 @@ def dlq_list(ctx: click.Context, limit: int, as_json: bool) -> None:
 
 @dlq.command("replay")
 @click.argument("ids", nargs=-1)
-@click.option("--all", "replay_all", is_flag=True, envvar="POLLBRIDGE_DLQ_ALL", show_envvar=True,
-              help="Replay every dead letter.")
+@click.option("--all", "replay_all", is_flag=True,
+              help="Replay every dead letter. Command line only (no environment variable).")
+@JSON_OPTION
 @click.pass_context
-def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> None:
+def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool, as_json: bool) -> None:
     """Publish dead letters to the bus again (after the cause was fixed) and remove them from the store."""
     from bridge.core.events import CloudEvent, EventFormatError
 
@@ -462,10 +595,13 @@ def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> No
     engine, bus = _open_bus_of(ctx)
     try:
         letters = {letter.id: letter for letter in bus.dead_letters(100_000)}
-        chosen = list(letters) if replay_all else list(ids)
+        chosen = list(letters) if replay_all else list(dict.fromkeys(ids))
         unknown = [i for i in chosen if i not in letters]
         if unknown:
             fail(f"no dead letter with id {', '.join(unknown)}; see `pollbridge dlq list`", 2)
+        if not chosen:
+            _dlq_done(as_json, "replayed", [], "no dead letter: nothing to replay")
+            return
         events, bad = [], []
         for i in chosen:
             try:
@@ -482,27 +618,39 @@ def dlq_replay(ctx: click.Context, ids: tuple[str, ...], replay_all: bool) -> No
     finally:
         bus.close()
         engine.dispose()
-    click.echo(f"replayed {len(chosen)} dead letter(s)")
+    _dlq_done(as_json, "replayed", chosen, f"replayed {len(chosen)} dead letter(s)")
+
+
+def _dlq_done(as_json: bool, verb: str, ids: list[str], text: str) -> None:
+    if as_json:
+        click.echo(json.dumps({verb: len(ids), "ids": ids}, indent=2))
+    else:
+        click.echo(text)
 
 
 @dlq.command("purge")
 @click.argument("ids", nargs=-1)
-@click.option("--all", "purge_all", is_flag=True, envvar="POLLBRIDGE_DLQ_ALL", show_envvar=True,
-              help="Purge every dead letter.")
-@click.option("--yes", is_flag=True, envvar="POLLBRIDGE_YES", show_envvar=True, help="Do not ask for confirmation.")
+@click.option("--all", "purge_all", is_flag=True,
+              help="Purge every dead letter. Command line only (no environment variable).")
+@click.option("--yes", is_flag=True,
+              help="Do not ask for confirmation. Command line only (no environment variable).")
+@JSON_OPTION
 @click.pass_context
-def dlq_purge(ctx: click.Context, ids: tuple[str, ...], purge_all: bool, yes: bool) -> None:
+def dlq_purge(ctx: click.Context, ids: tuple[str, ...], purge_all: bool, yes: bool, as_json: bool) -> None:
     """Delete dead letters for good."""
     if not ids and not purge_all:
         raise click.UsageError("name the dead letters to purge or use --all")
     engine, bus = _open_bus_of(ctx)
     try:
         letters = {letter.id for letter in bus.dead_letters(100_000)}
-        chosen = sorted(letters) if purge_all else list(ids)
+        chosen = sorted(letters) if purge_all else list(dict.fromkeys(ids))
         unknown = [i for i in chosen if i not in letters]
         if unknown:
             fail(f"no dead letter with id {', '.join(unknown)}; see `pollbridge dlq list`", 2)
-        if not yes and not click.confirm(f"Delete {len(chosen)} dead letter(s) for good?"):
+        if not chosen:
+            _dlq_done(as_json, "purged", [], "no dead letter: nothing to purge")
+            return
+        if not yes and not confirm(f"Delete {len(chosen)} dead letter(s) for good?"):
             fail("aborted: nothing purged", 1)
         removed = bus.remove_dead_letters(chosen)
     except Exception as exc:
@@ -511,10 +659,13 @@ def dlq_purge(ctx: click.Context, ids: tuple[str, ...], purge_all: bool, yes: bo
     finally:
         bus.close()
         engine.dispose()
-    click.echo(f"purged {removed} dead letter(s)")
+    if as_json:
+        click.echo(json.dumps({"purged": removed, "ids": chosen}, indent=2))
+    else:
+        click.echo(f"purged {removed} dead letter(s)")
 
 
-@cli.group()
+@cli.group(cls=WholeHelpGroup)
 def workers() -> None:
     """The demo worker pool."""
 

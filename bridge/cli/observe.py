@@ -2,8 +2,9 @@
 
 * ``explain TASK_ID [--json]``: one task's story and the answer to "why was it (not yet) triggered?"
   (:mod:`bridge.reconcile.explain`). Exit 0; 2 for an unknown task id; 1 when the database cannot be read.
-* ``status [--window S] [--json]``: the migration on one screen (:mod:`bridge.reconcile.status`). Exit 0 whatever it
-  shows (an unreachable bus is reported as unknown, not a failure); 1 when the database cannot be read.
+* ``status [--window S] [--json]``: the migration on one screen (:mod:`bridge.reconcile.status`). Exit 0 when every
+  part could be read; 1 when the database cannot be read, or when a part could not be (the bus unreachable, the
+  flag store down): everything else is still shown, that part as unknown with the reason.
 * ``metrics serve [--host H] [--port P] [--window S]``: the same figures as a Prometheus endpoint,
   gathered on each scrape, on 127.0.0.1 unless ``--host`` says otherwise, until SIGTERM or Ctrl-C (exit 0).
 
@@ -23,7 +24,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.app.components import Components, OptionalBus
-from bridge.cli.common import JSON_OPTION, components_of, stop_on_signals
+from bridge.cli.common import JSON_OPTION, WholeHelpGroup, components_of, stop_on_signals
 from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.urls import mask_url
 from bridge.db.engine import check_connection
@@ -141,7 +142,7 @@ def _print_story(x: Any) -> None:
 def status(ctx: click.Context, window: float, as_json: bool) -> None:
     """The migration on one screen: per workflow type its phase and recent dispatches by path, fallback
     misses and shadow decisions; the outbox backlog, consumer lag, pending entries, dead letters,
-    guardian demotions and the flag store's health."""
+    guardian demotions and the flag store's health. Exit 1 when a part could not be read."""
     components = components_of(ctx)
     engine = components.engine()
     bus: OptionalBus | None = None
@@ -155,8 +156,22 @@ def status(ctx: click.Context, window: float, as_json: bool) -> None:
         engine.dispose()
     if as_json:
         click.echo(json.dumps(state.to_json(), indent=2))
-        return
-    _print_status(state)
+    else:
+        _print_status(state)
+    unread = _unread_parts(state)
+    if unread:
+        click.echo(f"pollbridge: error: status incomplete: {'; '.join(unread)}", err=True)
+        ctx.exit(1)
+
+
+def _unread_parts(s: Any) -> list[str]:
+    """The parts of a status that could not be read, each with why."""
+    parts = []
+    if s.bus.state != "ok":
+        parts.append(f"the bus: {s.bus.reason}")
+    if not s.flag_store_up:
+        parts.append(f"the flag store: {s.flag_store_detail}")
+    return parts
 
 
 def _gather(components: Components, engine: Engine, bus: OptionalBus, window: float) -> Any:
@@ -206,7 +221,7 @@ def _print_status(s: Any) -> None:
 
 # --- metrics serve -----------------------------------------------------------------------------------------
 
-@click.group("metrics")
+@click.group("metrics", cls=WholeHelpGroup)
 def metrics() -> None:
     """Prometheus metrics of the whole migration."""
 

@@ -1,24 +1,26 @@
 """``pollbridge reconcile``: both paths side by side over a window, with the gate verdict per type.
 
-Exit codes: 0 (also when a type fails, unless ``--gate``), 1 with ``--gate`` when any type fails,
-2 bad input (an unparseable time, ``--until`` before ``--since``, a bad type name).
+Exit codes: 0 (also when a type fails, unless ``--gate``), 1 with ``--gate`` when any type fails or has
+no evidence (verdict ``no_evidence``: no compared task in the window), or when the database cannot be
+read; 2 bad input (an unparseable time, ``--until`` before ``--since``, a bad type name, a ``--type``
+that is no workflow type, an ``--output`` that cannot be written), checked before the report is built.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bridge.cli.common import components_of
+from bridge.cli.common import check_output_path, components_of, write_output
 from bridge.core.errors import ConfigError
 from bridge.db.clock import db_clock
 from bridge.db.engine import check_connection
 from bridge.flags.store import validate_type_name
+from bridge.reconcile.gate import FAIL, NO_EVIDENCE, require_known_types
 from bridge.reconcile.html import render_html
 from bridge.reconcile.report import Report, build_report, parse_when
 from bridge.tasktable.tables import reflect_tables
@@ -35,10 +37,10 @@ STAGES = 4  # classifying, latency percentiles, histograms, mismatches
               help="End of the window [default: now].")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "html"]), default="table",
               envvar="POLLBRIDGE_RECONCILE_FORMAT", show_envvar=True, help="Output format.")
-@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--output", metavar="FILE", default=None,
               envvar="POLLBRIDGE_RECONCILE_OUTPUT", show_envvar=True, help="Write to this file instead of stdout.")
 @click.option("--gate", is_flag=True, envvar="POLLBRIDGE_RECONCILE_GATE", show_envvar=True,
-              help="Exit 1 when any type fails its criteria.")
+              help="Exit 1 unless every type passes its criteria (a type with no compared task has no evidence).")
 @click.option("--control", is_flag=True, envvar="POLLBRIDGE_RECONCILE_CONTROL", show_envvar=True,
               help="Judge the legacy poller against itself: the disagreement that is inherent.")
 @click.option("--limit", type=click.IntRange(1, 1_000_000), default=1000, envvar="POLLBRIDGE_RECONCILE_LIMIT",
@@ -49,6 +51,7 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
     """Compare what the poller and the event path did for every task that became ready in the window."""
     for name in types:
         validate_type_name(name)
+    target = check_output_path(output) if output is not None else None
     components = components_of(ctx)
     settings = components.settings
     engine = components.engine()
@@ -60,6 +63,10 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
         if end <= start:
             raise ConfigError(f"--until ({end.isoformat()}) must be after --since ({start.isoformat()})")
         tt = reflect_tables(engine, settings.mapping)
+        store = components.flag_store(engine)
+        require_known_types(engine, tt, types, store)
+        # Each type's own gate thresholds, so the HTML report can say a pass was judged by laxer ones.
+        thresholds = {name: dict(flag.thresholds) for name, flag in store.all().items()} if fmt == "html" else {}
         show_progress = fmt == "table" or output is not None
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=Console(stderr=True), transient=True, disable=not show_progress) as bar:
@@ -77,21 +84,35 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
     if fmt == "json":
         text = json.dumps(report.to_json(), indent=2)
     elif fmt == "html":
-        text = render_html(report)
+        text = render_html(report, gates=settings.gates, thresholds=thresholds)
     else:
         text = ""
-    if output is not None:
-        Path(output).write_text(text if fmt != "table" else _table_text(report), encoding="utf-8")
+    if target is not None:
+        write_output(target, text if fmt != "table" else _table_text(report))
         click.echo(f"report written to {output}: verdict {report.verdict}", err=True)
     elif fmt == "table":
         _print_table(report)
     else:
         click.echo(text)
-    if gate and report.verdict == "fail":
-        failed = [f"{t.workflow_type} ({', '.join(c.name for c in t.criteria if not c.passed)})"
-                  for t in report.types if t.verdict == "fail"]
-        click.echo(f"pollbridge: gate failed for {'; '.join(failed)}", err=True)
+    if gate and report.verdict in (FAIL, NO_EVIDENCE):
+        click.echo(f"pollbridge: {_gate_failure(report)}", err=True)
         ctx.exit(1)
+
+
+def _gate_failure(report: Report) -> str:
+    """Why ``--gate`` fails, on one line: the types that failed (with their criteria), then those with no evidence."""
+    parts = []
+    failed = [f"{t.workflow_type} ({', '.join(c.name for c in t.criteria if not c.passed)})"
+              for t in report.types if t.verdict == FAIL]
+    if failed:
+        parts.append(f"gate failed for {'; '.join(failed)}")
+    empty = [t.workflow_type for t in report.types if t.verdict == NO_EVIDENCE]
+    if empty:
+        parts.append(f"no evidence for {', '.join(empty)} (no compared task in the window)")
+    if not report.types:
+        parts.append("no evidence: no workflow type acted in the window")
+    text = "; ".join(parts)
+    return text if failed else f"gate failed: {text}"
 
 
 def _table(report: Report) -> Table:
@@ -109,7 +130,7 @@ def _table(report: Report) -> Table:
         table.add_row(t.workflow_type, t.phase, str(sum(c.values())), str(t.compared),
                       *(str(c.get(k, 0)) for k in ("matched", "missing", "extra", "duplicate", "early", "late",
                                                    "pending")),
-                      lat("poller"), lat("events"), f"{t.miss_rate_upper:.3%}", t.verdict)
+                      lat("poller"), lat("events"), f"{t.miss_rate_upper:.3%}" if t.compared else "-", t.verdict)
     return table
 
 
@@ -117,6 +138,9 @@ def _print_table(report: Report) -> None:
     console = Console(width=170)
     console.print(_table(report))
     for t in report.types:
+        if t.verdict == NO_EVIDENCE:
+            console.print(f"  {t.workflow_type}: [yellow]no evidence[/yellow]: no compared task in the window")
+            continue
         for c in t.criteria:
             if not c.passed:
                 console.print(f"  {t.workflow_type}: [red]FAIL[/red] {c.name}: {c.detail}")

@@ -20,11 +20,23 @@ SPECVERSION = "1.0"
 SOURCE = "pollbridge"
 
 TASK_STATUS_CHANGED = "task.status_changed"
+TASK_SIGNAL_RECEIVED = "task.signal_received"
 TIMER_EXPIRED = "timer.expired"
 EXTERNAL_CALLBACK = "external.callback"
 HUMAN_APPROVED = "human.approved"
 HUMAN_REJECTED = "human.rejected"
-EVENT_TYPES = (TASK_STATUS_CHANGED, TIMER_EXPIRED, EXTERNAL_CALLBACK, HUMAN_APPROVED, HUMAN_REJECTED)
+EVENT_TYPES = (TASK_STATUS_CHANGED, TASK_SIGNAL_RECEIVED, TIMER_EXPIRED, EXTERNAL_CALLBACK, HUMAN_APPROVED,
+               HUMAN_REJECTED)
+#: The types of a captured change of a task row (``data.change``): a signal has its own type, every other change
+#: (insert, status, due time) is a status change. A consumer of task changes accepts both.
+TASK_CHANGE_TYPES = (TASK_STATUS_CHANGED, TASK_SIGNAL_RECEIVED)
+
+
+def change_event_type(change: str) -> str:
+    """The CloudEvent type of a captured change: ``task.signal_received`` for ``signal``, else
+    ``task.status_changed``."""
+    return TASK_SIGNAL_RECEIVED if change == "signal" else TASK_STATUS_CHANGED
+
 
 _REQUIRED = ("specversion", "id", "source", "type", "subject", "time", "partitionkey")
 

@@ -10,7 +10,9 @@ threads into an immediate ``database is locked`` error that no timeout can wait 
 
 from __future__ import annotations
 
+import re
 import threading
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -47,19 +49,67 @@ def normalize_url(url: str) -> URL:
     return parsed
 
 
-class StatementCounter:
-    """Counts the SQL statements an engine executes: the figure behind "statements per dispatch"."""
+OTHER_STATEMENTS = "other"
 
-    def __init__(self) -> None:
+
+class StatementCounter:
+    """Counts the SQL statements an engine executes: the figure behind "statements per dispatch".
+
+    ``count`` is every statement. With ``classes`` (a name for each group of table names, in order, given
+    here or later to :meth:`classify`) each statement is also counted under the first class one of whose
+    tables it names (:data:`OTHER_STATEMENTS` when none: transaction control, ``SELECT 1``, tables of no
+    class): the embedded bus keeps its log in the same database as the task table, and its statements
+    are then counted apart from the task table's. A table name matches as a whole identifier, quoted or
+    not, schema-qualified or not, in any case."""
+
+    def __init__(self, classes: Mapping[str, Iterable[str]] | None = None) -> None:
         self._lock = threading.Lock()
         self.count = 0
+        self._by_class: dict[str, int] = {}
+        self._patterns: list[tuple[str, re.Pattern[str]]] = []
+        self._seen: dict[str, str] = {}  # statement text -> its class (the texts repeat: compiled once)
+        if classes:
+            self.classify(classes)
 
     def attach(self, engine: Engine) -> None:
         sa.event.listen(engine, "before_cursor_execute", self._on_execute)
 
-    def _on_execute(self, *_args: Any, **_kwargs: Any) -> None:
+    def classify(self, classes: Mapping[str, Iterable[str]]) -> None:
+        """Count statements by the tables they name from now on (earlier statements are in ``count`` only)."""
+        patterns = []
+        for name, tables in classes.items():
+            names = sorted({t for t in tables if t}, key=len, reverse=True)
+            if names:
+                alternatives = "|".join(f'"{re.escape(t)}"|{re.escape(t)}' for t in names)
+                patterns.append((name, re.compile(rf'(?<![\w$"])(?:{alternatives})(?![\w$"])', re.IGNORECASE)))
+        with self._lock:
+            self._patterns = patterns
+            self._seen = {}
+
+    def by_class(self) -> dict[str, int]:
+        """Statements counted under each class since :meth:`classify` (a class with none is absent)."""
+        with self._lock:
+            return dict(self._by_class)
+
+    def _class_of(self, statement: str) -> str:
+        for name, pattern in self._patterns:
+            if pattern.search(statement):
+                return name
+        return OTHER_STATEMENTS
+
+    def _on_execute(self, _conn: Any, _cursor: Any, statement: Any = "", *_args: Any, **_kwargs: Any) -> None:
         with self._lock:
             self.count += 1
+            if not self._patterns:
+                return
+            text = statement if isinstance(statement, str) else str(statement)
+            kind = self._seen.get(text)
+            if kind is None:
+                kind = self._class_of(text)
+                if len(self._seen) >= 10_000:  # texts that vary per call (expanding IN lists): stay bounded
+                    self._seen.clear()
+                self._seen[text] = kind
+            self._by_class[kind] = self._by_class.get(kind, 0) + 1
 
 
 def create_engine(url: str, *, pool_size: int = 5) -> Engine:

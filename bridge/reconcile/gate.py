@@ -2,17 +2,36 @@
 
 Shared by the reconcile report (its verdict per type) and by promotion (:mod:`bridge.rollout.promotion`),
 which adds the capture check for ``dual_write`` and the window of the type's current phase.
+
+A verdict is one of :data:`VERDICTS`: ``pass``, ``fail``, or ``no_evidence`` for a type with no compared
+task (no evidence is never a pass). :func:`unknown_types` is the one test of whether a name is a
+workflow type at all (a flag, or a task of that type): every command that takes a type refuses one
+that is not, before it reads or writes anything else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from bridge.core.errors import FlagError
 from bridge.core.phases import Flag
 from bridge.core.settings import GateSettings
+from bridge.db.engine import read_only
+from bridge.flags.store import FlagStore
 from bridge.reconcile.classify import miss_rate_upper
+from bridge.tasktable.tables import TaskTable
+
+PASS = "pass"
+FAIL = "fail"
+#: The verdict of a type with no compared task in the window: nothing to judge, so never a pass.
+NO_EVIDENCE = "no_evidence"
+VERDICTS = (PASS, FAIL, NO_EVIDENCE)
 
 
 @dataclass(frozen=True)
@@ -70,3 +89,43 @@ def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSetti
                   f"{missing} miss(es) in {compared}: upper {settings.confidence:.0%} bound {upper:.4%}, "
                   f"budget {budget:.4%}"),
     )
+
+
+def verdict_of(criteria: Sequence[Criterion], compared: int) -> str:
+    """``no_evidence`` without a compared task, else ``pass`` when every criterion passed, else ``fail``."""
+    if compared == 0:
+        return NO_EVIDENCE
+    return PASS if all(c.passed for c in criteria) else FAIL
+
+
+def unknown_types(engine: Engine, tt: TaskTable, names: Iterable[str], store: FlagStore) -> list[str]:
+    """The names in ``names`` that are no workflow type: no flag in ``store`` and no task of that type in the
+    task table. Reads only (the flags, then one bounded look-up per remaining name)."""
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return []
+    flagged = store.all()
+    rest = [name for name in wanted if name not in flagged]
+    if not rest:
+        return []
+    src, workflow_type = tt.workflow_type_source(tt.tasks)
+    unknown = []
+    with read_only(engine).connect() as conn:
+        for name in rest:
+            found = conn.execute(sa.select(workflow_type).select_from(src)
+                                 .where(workflow_type == name).limit(1)).first()
+            if found is None:
+                unknown.append(name)
+    return unknown
+
+
+def unknown_type_message(name: str, table: str) -> str:
+    """How every command refuses a name that is no workflow type (as ``preflight`` does)."""
+    return f"unknown workflow type {name!r}: no flag and no task of that type in {table!r}; check the name"
+
+
+def require_known_types(engine: Engine, tt: TaskTable, names: Iterable[str], store: FlagStore) -> None:
+    """Raise :class:`FlagError` (exit 2) for the first of ``names`` that is no workflow type."""
+    unknown = unknown_types(engine, tt, names, store)
+    if unknown:
+        raise FlagError(unknown_type_message(unknown[0], tt.mapping.table))

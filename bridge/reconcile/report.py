@@ -2,12 +2,15 @@
 
 :func:`build_report` runs the set-based classification of :mod:`bridge.reconcile.classify` (counts, latency
 percentiles, a histogram for the chart, dispatches over time, the mismatches with their
-explanation) and judges each type with the gate's criteria (:func:`bridge.rollout.promotion.judge`). A type
-that spent the whole window in ``polling`` has no event path to judge: it passes with no criteria.
+explanation) and judges each type with the gate's criteria (:func:`bridge.reconcile.gate.judge`). A type
+that spent the whole window in ``polling`` has no event path to judge: it gets no criteria. A type with no
+compared task (in ``polling``, or idle) has the verdict ``no_evidence``, never ``pass``; the report's
+verdict is ``fail`` when a type fails, else ``no_evidence`` when a type (or the whole report) has no
+evidence, else ``pass``.
 
 The JSON form (:meth:`Report.to_json`) is a stable interface, documented in ``docs/reconcile.md``::
 
-    {"window": {"since", "until"}, "verdict": "pass"|"fail", "control": bool,
+    {"window": {"since", "until"}, "verdict": "pass"|"fail"|"no_evidence", "control": bool,
      "types": [{"workflow_type", "phase", "phases": [{"phase", "since", "until"}], "tasks", "compared",
                 "matched", "missing", "extra", "duplicate", "early", "late", "pending", "poller",
                 "latency_ms": {"poller": {"p50","p90","p99","max","n"}, "events": {...}, "fallback": {...}},
@@ -46,7 +49,7 @@ from bridge.reconcile.classify import (
     phase_spans,
     unacted_sql,
 )
-from bridge.reconcile.gate import Criterion, judge
+from bridge.reconcile.gate import FAIL, NO_EVIDENCE, PASS, Criterion, judge, verdict_of
 from bridge.tasktable.tables import TaskTable
 
 #: Upper edges (ms) of the latency histogram drawn in the HTML report (a CDF on a log scale).
@@ -75,7 +78,8 @@ class TypeReport:
 
     @property
     def verdict(self) -> str:
-        return "pass" if all(c.passed for c in self.criteria) else "fail"
+        """``pass``, ``fail`` or ``no_evidence`` (no compared task): :func:`bridge.reconcile.gate.verdict_of`."""
+        return verdict_of(self.criteria, self.compared)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"workflow_type": self.workflow_type, "phase": self.phase,
@@ -114,7 +118,13 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        return "pass" if all(t.verdict == "pass" for t in self.types) else "fail"
+        """``fail`` if a type fails, else ``no_evidence`` if a type has none (or there is no type), else ``pass``."""
+        verdicts = {t.verdict for t in self.types}
+        if FAIL in verdicts:
+            return FAIL
+        if not verdicts or NO_EVIDENCE in verdicts:
+            return NO_EVIDENCE
+        return PASS
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -63,7 +63,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -71,8 +70,9 @@ from bridge.core.errors import FlagError, PollbridgeError
 from bridge.core.phases import PHASES, Flag, Phase
 from bridge.core.settings import Settings
 from bridge.core.urls import mask_url
-from bridge.db.engine import check_connection, read_only
+from bridge.db.engine import check_connection
 from bridge.flags.store import FlagStore, validate_percent, validate_phase, validate_type_name
+from bridge.reconcile.gate import unknown_types
 from bridge.rollout.checks import REGISTRY as ALL_CHECKS
 from bridge.rollout.checks import BusOpener, Check, CheckResult, Move, Probe, run_checks
 
@@ -174,14 +174,8 @@ def _known_type(probe: Probe) -> bool | None:
     """Whether the type has a flag or a task; ``None`` when that cannot be read (the checks then say why)."""
     try:
         check_connection(probe.engine)
-        if probe.flag.updated_at is not None:
-            return True
-        tt = probe.tables
-        src, workflow_type = tt.workflow_type_source(tt.tasks)
-        with read_only(probe.engine).connect() as conn:
-            found = conn.execute(sa.select(workflow_type).select_from(src)
-                                 .where(workflow_type == probe.move.workflow_type).limit(1)).first()
-        return found is not None
+        # The one rule every command that takes a type applies (bridge.reconcile.gate.unknown_types).
+        return not unknown_types(probe.engine, probe.tables, [probe.move.workflow_type], probe.store)
     except (PollbridgeError, SQLAlchemyError):
         return None
 

@@ -114,6 +114,11 @@ class ServeApp:
                 Route("/metrics", self.get_metrics, methods=["GET"]),
             ],
             lifespan=self._lifespan,
+            # An unknown route (404) or method (405, with its Allow header) answers JSON like every other error.
+            exception_handlers=dict.fromkeys((404, 405), lambda request, exc: JSONResponse(
+                {"error": "not_found" if exc.status_code == 404 else "method_not_allowed",
+                 "message": f"{exc.detail}: {request.method} {request.url.path}"},
+                status_code=exc.status_code, headers=exc.headers)),
         )
 
     @contextlib.asynccontextmanager

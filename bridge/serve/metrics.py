@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
@@ -75,8 +75,11 @@ class HubCollector(Collector):
 
 class LatencyCollector(Collector):
     """Ready->dispatch latency of **every** path (poller, events, fallback) from the dispatch log, over the last
-    ``window`` seconds: ``pollbridge_dispatch_latency_window_seconds_bucket{workflow_type, path, le}`` (cumulative
-    counts, as a histogram's buckets, so ``histogram_quantile`` applies without ``rate``), ``_count`` and ``_sum``.
+    ``window`` seconds, as a *gauge histogram* ``pollbridge_dispatch_latency_window_seconds{workflow_type, path}``:
+    ``_bucket{le}`` (cumulative counts per upper bound), ``_gcount`` and ``_gsum``. A gauge histogram (OpenMetrics
+    ``gaugehistogram``; ``histogram`` in the Prometheus text format, with the ``_gcount``/``_gsum`` gauges) because
+    the counts go down as dispatches leave the window: ``histogram_quantile`` applies to the buckets as they are,
+    ``rate`` does not.
 
     The event path's own histogram (``pollbridge_ready_to_dispatch_seconds``) exists only in the scheduler; the
     poller keeps none, so this is the one place both paths are measured the same way. One aggregate query per
@@ -89,7 +92,7 @@ class LatencyCollector(Collector):
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeHistogramMetricFamily]:
         dialect = self._engine.dialect.name
         d = dispatch_log.c
         latency = millis_between(dialect, d.ready_at, d.dispatched_at) / 1000.0
@@ -105,22 +108,16 @@ class LatencyCollector(Collector):
         except Exception as exc:  # the status gauges already say the database is down
             log.debug("latency gathering failed: %s", exc)
             return
-        help_ = ("Ready->dispatch latency of the dispatches of the last window (pollbridge_status_window_seconds), "
-                 "by path, cumulative per upper bound le")
-        bucket = GaugeMetricFamily("pollbridge_dispatch_latency_window_seconds_bucket", help_,
-                                   labels=["workflow_type", "path", "le"])
-        count = GaugeMetricFamily("pollbridge_dispatch_latency_window_seconds_count", "Dispatches with a known "
-                                  "ready time in the last window, by path", labels=["workflow_type", "path"])
-        total = GaugeMetricFamily("pollbridge_dispatch_latency_window_seconds_sum", "Sum of their ready->dispatch "
-                                  "latencies (seconds)", labels=["workflow_type", "path"])
+        latencies = GaugeHistogramMetricFamily(
+            "pollbridge_dispatch_latency_window_seconds",
+            "Ready->dispatch latency of the dispatches with a known ready time in the last window "
+            "(pollbridge_status_window_seconds), by path; a gauge histogram: counts leave with the window",
+            labels=["workflow_type", "path"])
         for row in rows:
             workflow_type, path, n, summed = str(row[0] or ""), str(row[1]), int(row[2]), float(row[3] or 0.0)
-            for bound, hits in zip(LATENCY_BUCKETS, row[4:], strict=True):
-                bucket.add_metric([workflow_type, path, _le(bound)], int(hits or 0))
-            bucket.add_metric([workflow_type, path, "+Inf"], n)
-            count.add_metric([workflow_type, path], n)
-            total.add_metric([workflow_type, path], summed)
-        yield from (bucket, count, total)
+            counts = [(_le(bound), float(hits or 0)) for bound, hits in zip(LATENCY_BUCKETS, row[4:], strict=True)]
+            latencies.add_metric([workflow_type, path], [*counts, ("+Inf", float(n))], gsum_value=summed)
+        yield latencies
 
 
 def _le(bound: float) -> str:

@@ -45,7 +45,7 @@ from typing import Any
 from bridge.bus.base import Delivery, EventBus, entry_order, partition_for
 from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
-from bridge.core.events import TASK_STATUS_CHANGED
+from bridge.core.events import TASK_CHANGE_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Filter:
     value: str
 
     def matches(self, d: Delivery) -> bool:
-        if d.event is None or d.event.type != TASK_STATUS_CHANGED:
+        if d.event is None or d.event.type not in TASK_CHANGE_TYPES:
             return False
         if self.kind == "instance":
             return d.event.partitionkey == self.value
@@ -326,7 +326,7 @@ class Hub:
             for d in deliveries:
                 self._positions[d.partition] = d.entry_id
                 event = d.event
-                if event is None or event.type != TASK_STATUS_CHANGED:
+                if event is None or event.type not in TASK_CHANGE_TYPES:
                     continue
                 targets = list(self._by_instance.get(event.partitionkey, ()))
                 workflow_type = event.data.get("workflow_type")

@@ -29,8 +29,8 @@ def test_demo_on_postgresql_as_a_table(pollbridge: Run, pg_empty_url: str) -> No
     result = pollbridge("demo", "--instances", "9", "--poll-interval", "0.2",
                         env={"POLLBRIDGE_DATABASE_URL": pg_empty_url})
     assert result.returncode == 0, result.stderr
-    assert "the two paths side by side" in result.stdout
-    assert "reconciler in dual_write" in result.stdout
+    assert "stage by stage" in result.stdout and "ready→dispatch: p50" in result.stdout
+    assert "reconciler over dual_write" in result.stdout
     overall = re.search(r"overall: (\d+) tasks, (\d+) dispatches, lost 0, ", result.stdout)
     assert overall and overall.group(1) == overall.group(2) != "0", result.stdout
 

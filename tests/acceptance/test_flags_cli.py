@@ -213,14 +213,14 @@ def test_refused_gate_exits_1_and_prints_the_failed_criteria(pollbridge: Run, en
 
 def test_help_shows_the_environment_variables(pollbridge: Run, in_tmp: Path) -> None:
     """Every option of the flag commands names its POLLBRIDGE_* variable in --help (flags set and rollback
-    as subprocesses, list and history in process)."""
+    as subprocesses, list and history in process), except --force and --all: command line only."""
     expected = {
         ("flags", "set"): ["POLLBRIDGE_FLAG_REASON", "POLLBRIDGE_ACTOR", "POLLBRIDGE_FLAG_PERCENT",
-                           "POLLBRIDGE_FLAG_FORCE", "POLLBRIDGE_FLAG_GRACE", "POLLBRIDGE_FLAG_THRESHOLDS",
+                           "POLLBRIDGE_FLAG_GRACE", "POLLBRIDGE_FLAG_THRESHOLDS",
                            "POLLBRIDGE_JSON"],
         ("flags", "list"): ["POLLBRIDGE_JSON"],
         ("flags", "history"): ["POLLBRIDGE_HISTORY_LIMIT", "POLLBRIDGE_JSON"],
-        ("rollback",): ["POLLBRIDGE_FLAG_REASON", "POLLBRIDGE_ACTOR", "POLLBRIDGE_ROLLBACK_ALL", "POLLBRIDGE_JSON"],
+        ("rollback",): ["POLLBRIDGE_FLAG_REASON", "POLLBRIDGE_ACTOR", "POLLBRIDGE_JSON"],
     }
     results = _parallel(pollbridge, [([*cmd, "--help"], None) for cmd in expected if cmd in (("flags", "set"),
                                                                                               ("rollback",))])

@@ -75,7 +75,7 @@ def test_explain_an_unknown_task_exits_2_on_one_line(pollbridge: Run, empty_db_u
         assert len(lines) == 1 and lines[0].startswith(f"pollbridge: error: no task '{bad}' in tasks"), lines
 
 
-def test_status_json_parses_and_an_unreachable_bus_is_unknown_not_fatal(pollbridge: Run, empty_db_url: str) -> None:
+def test_status_json_parses_and_an_unreachable_bus_is_unknown_and_exit_1(pollbridge: Run, empty_db_url: str) -> None:
     _installed(pollbridge, empty_db_url)
     result = pollbridge("--database-url", empty_db_url, "status", "--json")
     assert result.returncode == 0, result.stderr
@@ -86,15 +86,16 @@ def test_status_json_parses_and_an_unreachable_bus_is_unknown_not_fatal(pollbrid
     bus = "redis://carol:pa55word@127.0.0.1:1/0"
     down = pollbridge("--database-url", empty_db_url, "--bus-url", bus, "status", "--json", "--window", "60",
                       timeout=60)
-    assert down.returncode == 0, down.stderr
+    assert down.returncode == 1, down.stderr  # everything else is shown; the unread part fails the command
     _no_traceback(down)
+    assert len(down.stderr.strip().splitlines()) == 1 and "status incomplete: the bus" in down.stderr
     doc = json.loads(down.stdout)
     assert doc["bus"]["state"] == "unknown" and "unreachable" in doc["bus"]["reason"]
     assert doc["bus"]["lag"] is None and doc["window_seconds"] == 60
     assert "pa55word" not in down.stdout + down.stderr and "carol:***@" in down.stdout
 
     table = pollbridge("--database-url", empty_db_url, "--bus-url", bus, "status", timeout=60)
-    assert table.returncode == 0, table.stderr
+    assert table.returncode == 1, table.stderr
     assert "lag, pending and dead letters unknown" in table.stdout
     assert "pa55word" not in table.stdout + table.stderr
 

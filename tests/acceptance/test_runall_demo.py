@@ -49,6 +49,22 @@ def test_demo_walks_every_phase_and_compares_the_paths(pollbridge: Run, tmp_path
         assert set(p["statements_per_dispatch"]) == {"poller", "events"}
         assert set(p["idle_statements_per_s"]) == {"poller", "events"}
     assert by_phase["dual_write"]["gate"] and by_phase["cutover"]["gate"]
+    # The keys the README documents ...
+    for stats in summary["paths"].values():
+        assert set(stats) >= {"p50_ms", "p90_ms", "p99_ms", "max_ms"}
+    assert set(summary["poller"]) >= {"scans", "empty_scan_ratio", "rows_examined", "statements_per_dispatch"}
+    # ... and what says how to read them: the verdict, the backend, the gates' settings, statements by table.
+    assert len(summary["verdict"]) == 3 and summary["verdict"][0].startswith("ready→dispatch: p50 ")
+    assert (summary["backend"]["database"], summary["backend"]["bus"]) == ("sqlite", "embedded")
+    assert summary["gate_settings"]["production_defaults"]["min_tasks"] == 1000
+    assert set(by_phase["cutover"]["statements_per_dispatch_by_table"]["events"]) == {
+        "task_table", "bus", "pollbridge", "other"}
+    # Every stage says what it does as it starts, on stderr; 15 instances are too few for the demo's gates,
+    # and the refusal says why before the gate is forced.
+    for label in PHASES:
+        assert f"\n{label}" in "\n" + result.stderr, (label, result.stderr)
+    assert "gate into cutover: refused, forced to go on (audited as forced): etl: min_tasks: " in result.stderr
+    assert "cutover (FORCED: refused on min_tasks" in summary["verdict"][2]
 
 
 def test_run_all_dispatches_both_paths_and_stops_on_sigterm(sqlite_url: str, tmp_path: Path) -> None:
@@ -106,3 +122,7 @@ def test_demo_on_postgresql_and_redis(pollbridge: Run, pg_empty_url: str, redis_
     summary = json.loads(result.stdout)
     assert [p["phase"] for p in summary["phases"]] == PHASES
     assert (summary["lost"], summary["double_dispatched"], summary["early"]) == (0, 0, 0)
+    assert (summary["backend"]["database"], summary["backend"]["bus"]) == ("postgresql", "redis")
+    assert not summary["backend"]["bus_statements_counted"]  # Redis's commands are no database statements
+    for p in summary["phases"]:
+        assert p["idle_statements_per_s_by_table"]["events"]["bus"] == 0, p

@@ -341,11 +341,11 @@ def test_scheduler_run_rejects_a_bad_phase(pollbridge: Run, sqlite_url: str) -> 
 
 @pytest.mark.parametrize(("command", "variables"), [
     (("--help",), ("POLLBRIDGE_CONFIG", "POLLBRIDGE_DATABASE_URL", "POLLBRIDGE_BUS_URL", "POLLBRIDGE_LOG_LEVEL")),
-    (("scheduler", "run", "--help"), ("POLLBRIDGE_METRICS_PORT", "POLLBRIDGE_SCHEDULER_PHASE")),
+    (("scheduler", "run", "--help"), ("POLLBRIDGE_METRICS_PORT",)),  # --phase: test-only, hidden
     (("signal", "--help"), ("POLLBRIDGE_SIGNAL_KIND", "POLLBRIDGE_SIGNAL_PAYLOAD", "POLLBRIDGE_ACTOR")),
     (("dlq", "list", "--help"), ("POLLBRIDGE_DLQ_LIMIT", "POLLBRIDGE_JSON")),
-    (("dlq", "replay", "--help"), ("POLLBRIDGE_DLQ_ALL",)),
-    (("dlq", "purge", "--help"), ("POLLBRIDGE_DLQ_ALL", "POLLBRIDGE_YES")),
+    (("dlq", "replay", "--help"), ("POLLBRIDGE_JSON",)),  # --all: command line only
+    (("dlq", "purge", "--help"), ("POLLBRIDGE_JSON",)),  # --all, --yes: command line only
 ])
 def test_help_shows_environment_variables(pollbridge: Run, command: tuple[str, ...],
                                           variables: tuple[str, ...]) -> None:

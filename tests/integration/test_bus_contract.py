@@ -586,6 +586,46 @@ def test_dead_letter_count_matches_the_dead_letters(bus: EventBus) -> None:
     assert bus.dead_letter_count() == 3
 
 
+def test_purge_all_empties_the_bus_and_leaves_it_usable(bus: EventBus, twin: Callable[[], EventBus],
+                                                         redis_server_if_redis: str | None) -> None:
+    """purge_all removes entries, groups, pending entries and dead letters (and, on Redis, every key of the
+    namespace and no other namespace's); a purged bus works as new, and purging it again removes nothing."""
+    neighbour = None
+    if redis_server_if_redis is not None:  # another installation's namespace on the same server stays
+        neighbour = RedisStreamsBus(redis_server_if_redis, partitions=P, namespace=f"pbtest-{uuid.uuid4().hex[:10]}")
+        neighbour.publish([_event("inst-n", 0)])
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event(f"inst-{i}", i) for i in range(6)])
+        got = _read_n(bus, "g", "c", 6)
+        bus.ack("g", got[:2])
+        bus.dead_letter("g", got[2], "poison")  # 3 left pending, 1 dead letter
+        removed = bus.purge_all()
+        assert removed > 0
+        assert bus.dead_letters() == [] and bus.dead_letter_count() == 0
+        assert bus.pending_count("g") == 0 and _total(bus.lag("g")) == 0
+        assert bus.purge_all() == 0
+        other = twin()  # what another process sees: nothing either
+        assert other.dead_letter_count() == 0 and other.tail({p: "0" for p in ALL}, 10, 0.0) == []
+        if isinstance(bus, RedisStreamsBus):
+            assert list(bus.client.scan_iter(match=bus.keys.pattern)) == []
+        bus.ensure_group("g")  # as new: publish and read again
+        bus.publish([_event("inst-x", 1)])
+        (fresh,) = _read_n(bus, "g", "c", 1)
+        assert fresh.event is not None and fresh.event.data["n"] == 1
+        if neighbour is not None:
+            assert len(neighbour.tail({p: "0" for p in ALL}, 10, 0.0)) == 1
+    finally:
+        if neighbour is not None:
+            neighbour.purge_all()
+            neighbour.close()
+
+
+@pytest.fixture
+def redis_server_if_redis(bus: EventBus, request: pytest.FixtureRequest) -> str | None:
+    return str(request.getfixturevalue("redis_server")) if isinstance(bus, RedisStreamsBus) else None
+
+
 def test_leases_kept_beside_the_bus_split_the_partitions_fairly(bus: EventBus) -> None:
     """A bus either keeps the scheduler's partition leases (Redis) or says it does not (embedded: None)."""
     leases = bus.leases()

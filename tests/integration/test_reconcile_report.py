@@ -263,7 +263,8 @@ def test_too_few_tasks_fail_and_a_polling_type_is_not_judged(drive: Drive) -> No
     by_type = {t.workflow_type: t for t in report.types}
     assert by_type["orders"].verdict == "fail"
     assert [c.name for c in by_type["orders"].criteria if not c.passed] == ["min_tasks", "miss_rate"]
-    assert by_type["reports"].criteria == () and by_type["reports"].verdict == "pass"
+    # Not judged (no criteria), and with no compared task it has no evidence: never a pass.
+    assert by_type["reports"].criteria == () and by_type["reports"].verdict == "no_evidence"
     assert report.verdict == "fail"
 
 

@@ -4,6 +4,7 @@ PostgreSQL + Redis Streams."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -187,6 +188,38 @@ def test_standby_takes_over_when_the_active_relay_stops(env: Env, running: Calla
     assert Audit(env.open_bus()).collect(expected) == expected
 
 
+def test_a_standby_says_once_that_it_is_one_and_logs_its_takeover(
+        env: Env, running: Callable[[Relay], threading.Event], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.INFO, logger="bridge.capture.relay")
+    first = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    second = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    attempts: list[bool] = []
+    acquire = second.leadership.try_acquire
+
+    def counted() -> bool:
+        attempts.append(acquire())
+        return attempts[-1]
+
+    monkeypatch.setattr(second.leadership, "try_acquire", counted)
+    stop_first = running(first)
+    wait_for(lambda: first.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 1, 10,
+             what="first relay to lead")
+    running(second)
+    wait_for(lambda: len(attempts) >= 4, 10, what="the standby to try for the partition a few times")
+    assert not any(attempts)
+    stop_first.set()
+    wait_for(lambda: second.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 1, 15,
+             what="standby takeover")
+    said = [r.getMessage() for r in list(caplog.records) if r.name == "bridge.capture.relay"
+            and r.levelno == logging.INFO]
+    one, two = first.leadership.holder, second.leadership.holder
+    assert f"relay {one} holds partition 0" in said, said
+    assert [line for line in said if line.startswith(f"relay {two}")] == [
+        f"relay {two}: standby for partition 0 (held by {one})",
+        f"relay {two}: took over partition 0 (previously held by {one})"], said
+
+
 def test_a_relay_whose_lock_connection_was_terminated_steps_down(
         env: Env, running: Callable[[Relay], threading.Event]) -> None:
     """The leader checks its advisory lock without a statement; a terminated lock connection is noticed
@@ -364,6 +397,26 @@ def test_database_built_payload_equals_the_python_event(env: Env) -> None:
         parsed = CloudEvent.from_json(row.payload)
         assert parsed == expected
         assert parsed.time.tzinfo is not None and abs((parsed.time - expected.time).total_seconds()) < 1e-3
+
+
+def test_a_signal_has_its_own_event_type_from_both_builders(env: Env) -> None:
+    """A recorded signal is ``task.signal_received``; every other change stays ``task.status_changed``."""
+    from bridge.capture.relay import event_payload_sql, row_to_event
+    from bridge.core.events import TASK_SIGNAL_RECEIVED, TASK_STATUS_CHANGED, CloudEvent
+
+    add_tasks(env, "sig", 1)
+    tasks = env.tables.tasks
+    with env.engine.begin() as conn:
+        conn.execute(tasks.update().where(tasks.c.task_key == "k0")
+                     .values(signal_received_at=sa.func.current_timestamp()))
+        rows = conn.execute(sa.select(outbox, event_payload_sql(env.engine.dialect.name))
+                            .order_by(outbox.c.id)).all()
+    changes = [row.change for row in rows]
+    assert "signal" in changes, changes
+    for row in rows:
+        expected_type = TASK_SIGNAL_RECEIVED if row.change == "signal" else TASK_STATUS_CHANGED
+        assert row_to_event(row, env.tables.mapping.statuses).type == expected_type
+        assert CloudEvent.from_json(row.payload).type == expected_type
 
 
 def test_relay_pauses_while_the_bus_is_near_its_memory_limit(env: Env, running: Callable[[Relay], object]) -> None:

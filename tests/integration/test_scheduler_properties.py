@@ -64,6 +64,7 @@ from bridge.reference.oracle import verify
 from bridge.reference.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape, seed
 from bridge.tasktable.tables import TaskTable
 from event_scheduler import evaluate as evaluate_module
+from event_scheduler.exceptions import SignalError
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
 from legacy_poller.workers import WorkerPool
@@ -231,6 +232,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not awaiting:
             return
         task_id = awaiting[pick % len(awaiting)]
+        tasks = self.tables.tasks
+        with self.engine.connect() as conn:
+            awaits = conn.execute(sa.select(tasks.c.awaits_signal).where(tasks.c.id == task_id)).scalar_one()
+        answers = {"approval": ("approval", "rejection"), "callback": ("callback",)}.get(awaits)
+        if answers is not None and kind not in answers:
+            # A signal of another kind is refused and records nothing (the invariants checked after each
+            # step then show the task still waits for its own signal).
+            with pytest.raises(SignalError, match="does not answer it"):
+                record_signal(self.engine, self.tables, str(task_id), kind, actor="hypothesis")
+            return
         result = record_signal(self.engine, self.tables, str(task_id), kind, actor="hypothesis")
         if kind == "rejection":
             assert result.new_status == "failed"
