@@ -133,8 +133,9 @@ class Workload:
                 continue
             _, task_id, awaited = item
             n += 1
-            kind = "rejection" if self.signal_rng.random() < 0.08 else ("approval" if awaited == "approval"
-                                                                          else "callback")
+            # A rejection answers an approval only (a callback takes a callback: another kind is refused).
+            reject = self.signal_rng.random() < 0.08 and awaited == "approval"
+            kind = "rejection" if reject else ("approval" if awaited == "approval" else "callback")
             payload = json.dumps({"chaos": n, "note": "signal é ✓"}) if self.signal_rng.random() < 0.5 else None
             via_cli = self.opts.cli_signal_every > 0 and n % self.opts.cli_signal_every == 0
             try:
