@@ -7,29 +7,8 @@ workers run`` on one PostgreSQL database. This process plays the users of the pl
 mixed workload (four workflow types; chains, fan-out/fan-in and stacked diamonds; due times; tasks that
 await a callback or an approval, signalled later, some rejected; workers that fail 15% of the attempts,
 so tasks are retried), and injects faults at random moments, drawn from a seeded generator whose seed
-is printed (the schedule of faults replays; the timing of the processes around them does not):
-
-============================  ==================================================================
-``kill:<role>``               SIGKILL of the relay, a scheduler (sometimes both), the poller, the
-                              guardian or the workers, restarted after 0-3 s
-``redis:flushall``            ``FLUSHALL`` on the private Redis: every stream, group and dead
-                              letter gone
-``redis:restart``             the private Redis SIGKILLed and started again empty after 0.5-3 s
-``pg:terminate``              ``pg_terminate_backend`` of every connection pollbridge's processes
-                              hold on the test database (``datname`` filtered; this harness's own
-                              connections are spared by their ``application_name``)
-``pg:long_transaction``       a transaction holding row locks on live tasks for 2-6 s, which also
-                              records a signal and so commits an outbox row out of id order
-``bus:duplicate``             recent (or the oldest) entries of a partition stream added again,
-                              shuffled: duplicated, reordered and stale events
-``bus:malformed``             entries that are not CloudEvents (no payload field, not UTF-8, not
-                              JSON, missing attributes, wrong specversion, bad time, bad depth,
-                              non-object data), well-formed events about nothing (an unknown
-                              instance, garbage data) and sometimes an outbox row the relay cannot
-                              publish
-``flags:flip``                ``pollbridge flags set TYPE PHASE [--percent P] --force --reason chaos``
-``flags:rollback``            ``pollbridge rollback (TYPE | --all) --reason chaos``
-============================  ==================================================================
+is printed (the schedule of faults replays; the timing of the processes around them does not);
+the kinds and what each does are listed in :mod:`tests.support.chaos.faults`.
 
 Every kind is injected at least once (a shuffled round of all of them first, then weighted draws).
 When the fault window ends every process is brought back, the remaining signals are sent and the
