@@ -114,6 +114,42 @@ class CaptureSettings:
         _positive(self.relay_partitions, "capture.relay_partitions", integer=True)
 
 
+LEGACY_KINDS = ("reference", "foreign")
+RETRY_OWNERS = ("auto", "legacy", "pollbridge")
+
+
+@dataclass(frozen=True)
+class LegacySettings:
+    """The scheduler pollbridge is installed beside.
+
+    ``kind = "reference"``: pollbridge's own reference poller (``legacy_poller``), which records its
+    dispatches in ``pollbridge_dispatch_log``. ``kind = "foreign"``: a scheduler pollbridge did not
+    write (Airflow, ...): its dispatches are read from the captured transitions of the task table into
+    a dispatched status, and pollbridge never writes a retry or a timeout for it.
+    ``retries``: who re-pends failed tasks and fails timed-out ones on the dispatching route
+    (``auto`` = ``legacy`` for a foreign scheduler, ``pollbridge`` for the reference one)."""
+
+    kind: str = "reference"
+    retries: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kind not in LEGACY_KINDS:
+            raise ConfigError(f"legacy.kind must be one of {', '.join(LEGACY_KINDS)}, got {self.kind!r}")
+        if self.retries not in RETRY_OWNERS:
+            raise ConfigError(f"legacy.retries must be one of {', '.join(RETRY_OWNERS)}, got {self.retries!r}")
+
+    @property
+    def foreign(self) -> bool:
+        return self.kind == "foreign"
+
+    @property
+    def pollbridge_retries(self) -> bool:
+        """Whether pollbridge itself re-pends failed tasks and times out running ones (dispatching phases only)."""
+        if self.retries == "auto":
+            return not self.foreign
+        return self.retries == "pollbridge"
+
+
 @dataclass(frozen=True)
 class RelaySettings:
     batch_size: int = 5000
@@ -320,6 +356,7 @@ class Settings:
     guardian: GuardianSettings = field(default_factory=GuardianSettings)
     preflight: PreflightSettings = field(default_factory=PreflightSettings)
     serve: ServeSettings = field(default_factory=ServeSettings)
+    legacy: LegacySettings = field(default_factory=LegacySettings)
     config_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -372,7 +409,7 @@ def load_settings(
 def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     """Validate the parsed configuration file. Unknown sections or keys are errors, not ignored."""
     known = {"database", "bus", "poller", "workers", "mapping", "capture", "relay", "scheduler", "router", "gates",
-             "guardian", "preflight", "serve"}
+             "guardian", "preflight", "serve", "legacy"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(map(repr, unknown))}; "
@@ -390,6 +427,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     guardian = _table(raw, "guardian", {f.name for f in fields(GuardianSettings)})
     preflight = _table(raw, "preflight", {f.name for f in fields(PreflightSettings)})
     serve = _table(raw, "serve", {f.name for f in fields(ServeSettings)})
+    legacy = _table(raw, "legacy", {f.name for f in fields(LegacySettings)})
     mapping_raw = raw.get("mapping", {})
     if not isinstance(mapping_raw, Mapping):
         raise ConfigError("[mapping] must be a table")
@@ -408,6 +446,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
             guardian=GuardianSettings(**guardian),
             preflight=PreflightSettings(**preflight),
             serve=ServeSettings(**serve),
+            legacy=LegacySettings(**legacy),
             mapping=TaskTableMapping.from_dict(mapping_raw),
         )
     except (TypeError, ValueError) as exc:  # a wrongly typed value reaching a dataclass

@@ -60,6 +60,8 @@ outbox = sa.Table(
     sa.Column("relay_partition", sa.Integer, nullable=False, server_default="0"),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),
+    # the mapped attempts column after the change (migration 0006): dispatch evidence of a foreign scheduler
+    sa.Column("attempt", sa.Integer, nullable=True),
     sa.Index(
         "pollbridge_outbox_unpublished_idx",
         "relay_partition",
