@@ -46,6 +46,19 @@ def scope_hit(tt: TaskTable, scope: sa.ColumnElement[Any]) -> sa.ColumnElement[b
     if tt.mapping.dependency_mode == "json":
         deps = sa.func.array(sa.select(sa.func.json_array_elements_text(sa.cast(tt.col("depends_on"), sa.JSON)))
                              .correlate(tt.tasks).scalar_subquery())
+    elif tt.mapping.dependency_mode == "keys":
+        # A dependency's task key as the scope document holds it: the dependency rows' key text.
+        edges = tt.mapping.edges
+        assert tt.edges is not None and edges is not None and edges.task_key and edges.depends_on_key
+        e = tt.edges.alias("pb_scope_edge")
+        dep = tt.tasks.alias("pb_scope_dep")
+        key_column = tt.mapping.dependency_key_column
+        deps = sa.func.array(
+            sa.select(sa.cast(tt.col("task_key", dep), sa.Text))
+            .select_from(e.join(dep, sa.and_(tt.key_equal("instance_id", dep, tt.tasks),
+                                             dep.c[key_column] == e.c[edges.depends_on_key])))
+            .where(e.c[edges.task_key] == tt.tasks.c[key_column], *(e.c[m] == tt.tasks.c[m] for m in edges.match))
+            .correlate_except(e, dep).scalar_subquery())
     else:
         assert tt.edges is not None and tt.mapping.edges is not None
         e = tt.edges.alias("pb_scope_edge")
@@ -72,8 +85,6 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
     without a live task in scope keeps one marker row (``live`` = 0; ``any_live`` says whether it has live
     tasks at all), so "finished, not unknown" comes with the same query: an instance without any row is
     unknown. On SQLite every live task is in scope. Ordered by task id."""
-    st = tt.statuses
-    live = [st.pending, st.failed, st.running]
     # pb_base: every task of the instances, found through the instance index alone. OFFSET 0 keeps the
     # status condition out of this scan: with stale statistics PostgreSQL otherwise ANDs in a bitmap of
     # the status index, which reads every pending task of the table (O(pending) per evaluation).
@@ -84,15 +95,17 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
     if tt.instances is None and tt.has("workflow_type"):
         logical.append("workflow_type")
     # pb_in_scope: the live tasks this evaluation is about (see Scope); on SQLite every live task.
-    is_live = tt.col("status").in_(live)
+    is_live = tt.status_in("pending", "failed", "running")
     in_scope: sa.ColumnElement[Any] = sa.case((is_live, 1), else_=0)
     if pg:
         # The document parsed once (an uncorrelated scalar subquery is an InitPlan), never carried
         # per row: joined in, it travelled through the window sort (1,000 instances: a 500 MB sort).
         document = sa.select(sa.cast(sa.bindparam("scope", type_=sa.Text), postgresql.JSONB)).scalar_subquery()
         in_scope = sa.case((is_live, sa.case((scope_hit(tt, document), 1), else_=0)), else_=0)
+    # Composite keys travel as their part columns (each selected once) and become text at the end.
+    names = list(dict.fromkeys(name for c in logical for name in tt.mapping.columns.parts(c)))
     base = (
-        sa.select(*(tt.col(c) for c in logical),
+        sa.select(*(tt.tasks.c[name] for name in names),
                   sa.func.row_number().over(partition_by=tt.col("instance_id"), order_by=tt.col("id"))
                   .label("pb_rn"),
                   sa.func.max(sa.case((is_live, 1), else_=0))
@@ -107,7 +120,7 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
     # ready time, computed only for the rows found ready (a CASE branch is evaluated only when taken).
     # One statement, one round trip.
     inner = (
-        sa.select(*(tt.col(c, base) for c in logical if c != "workflow_type"),
+        sa.select(*(base.c[name] for name in names),
                   workflow_type.label("pb_workflow_type"),
                   # CASE evaluates in order: readiness only for the rows in scope.
                   sa.case((base.c.pb_in_scope == 0, 0), (ready_predicate(tt, base), 1), else_=0)
@@ -139,10 +152,9 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
 def in_flight_statement(tt: TaskTable) -> sa.Select[Any]:
     """Backpressure (``max_in_flight``): rows ``(workflow_type, count)`` of the dispatched and running
     tasks per workflow type. Read only when a type has a limit, once per dispatch round."""
-    st = tt.statuses
     all_src, any_type = tt.workflow_type_source(tt.tasks)
     return (sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src)
-            .where(tt.col("status").in_([st.dispatched, st.running])).group_by(any_type))
+            .where(tt.status_in("dispatched", "running")).group_by(any_type))
 
 
 def depth_statement(pg: bool) -> sa.Select[Any]:
@@ -155,16 +167,16 @@ def depth_statement(pg: bool) -> sa.Select[Any]:
 
 def still_pending_statement(tt: TaskTable, task_ids: Sequence[Any]) -> sa.Select[Any]:
     """After a lost race: the ids among ``task_ids`` still pending (their instances get a recheck timer)."""
-    return sa.select(tt.col("id")).where(tt.col("id").in_(list(task_ids)), tt.col("status") == tt.statuses.pending)
+    return sa.select(tt.col("id")).where(tt.col("id").in_(list(task_ids)), tt.status_in("pending"))
 
 
 def review_statement(tt: TaskTable, task_id: Any) -> sa.Update:
     """The depth guard stops a task: pending → the mapping's review status (a compare-and-set on pending),
     with ``updated_at`` stamped by the database where mapped. Only for a mapping with a review status."""
-    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.review}
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("review")}
     if tt.has("updated_at"):
         values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
-    return tt.tasks.update().where(tt.col("id") == task_id, tt.col("status") == tt.statuses.pending).values(values)
+    return tt.tasks.update().where(tt.col("id") == task_id, tt.status_in("pending")).values(values)
 
 
 def decision_statement(dialect_name: str, task: ReadyTask, trace_id: str | None) -> sa.Insert:

@@ -40,6 +40,18 @@ class ReadyTask:
     ready_at: datetime | None
 
 
+def dispatch_values(tt: TaskTable, now: Any) -> dict[str, Any]:
+    """What a dispatch writes: the dispatched status, the dispatch and update times where mapped, and the
+    mapping's extra columns (``[mapping.dispatch] set``: the database clock, or the column plus one)."""
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("dispatched")}
+    for logical in ("dispatched_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    for column, how in tt.mapping.dispatch_set:
+        values[column] = now if how == "now" else tt.tasks.c[column] + 1
+    return values
+
+
 def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], path: Path,
                   trace_ids: Mapping[str, str | None] | None = None) -> list[ReadyTask]:
     """Dispatch a batch inside the caller's transaction; return the tasks this call won.
@@ -69,10 +81,7 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
         return [task for task in tasks if str(task.task_id) in won_ids]
     t = tt.tasks
     now = db_now(tt.dialect_name)
-    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
-    for logical in ("dispatched_at", "updated_at"):
-        if tt.has(logical):
-            values[getattr(tt.mapping.columns, logical)] = now
+    values = dispatch_values(tt, now)
     stmt = (
         t.update()
         .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t))
@@ -101,10 +110,7 @@ def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> Drive
         return cached[1]
     t = tt.tasks
     now = db_now(tt.dialect_name)
-    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
-    for logical in ("dispatched_at", "updated_at"):
-        if tt.has(logical):
-            values[getattr(tt.mapping.columns, logical)] = now
+    values = dispatch_values(tt, now)
     ids = sa.bindparam("pb_ids", type_=postgresql.ARRAY(tt.col("id").type))
     won = (
         t.update()
@@ -150,10 +156,7 @@ def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace
     """Try to dispatch ``task`` inside the caller's transaction; ``True`` if this call won."""
     t = tt.tasks
     now = db_now(tt.dialect_name)
-    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.dispatched}
-    for logical in ("dispatched_at", "updated_at"):
-        if tt.has(logical):
-            values[getattr(tt.mapping.columns, logical)] = now
+    values = dispatch_values(tt, now)
     stmt = (
         t.update()
         .where(tt.col("id") == task.task_id, ready_predicate(tt, t))

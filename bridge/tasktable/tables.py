@@ -29,13 +29,41 @@ class TaskTable:
     dialect_name: str
 
     def col(self, logical: str, table: sa.FromClause | None = None) -> sa.ColumnElement[Any]:
-        """The column for a logical name on ``table`` (the task table or an alias of it)."""
-        name = getattr(self.mapping.columns, logical)
-        if name is None:
+        """The column for a logical name on ``table`` (the task table or an alias of it).
+
+        A composite key (``instance_id = ["dag_id", "run_id"]``) is its text form: the parts cast to
+        text and joined with ``/``, the same text capture writes into events (see :meth:`key_text`)."""
+        parts = self.mapping.columns.parts(logical)
+        if not parts:
             raise KeyError(f"column {logical!r} is not mapped")
         source = self.tasks if table is None else table
-        column: sa.ColumnElement[Any] = source.c[name]
+        if len(parts) > 1:
+            return self.key_text(logical, source)
+        column: sa.ColumnElement[Any] = source.c[parts[0]]
         return column
+
+    def parts(self, logical: str, table: sa.FromClause | None = None) -> list[sa.ColumnElement[Any]]:
+        """The column(s) of a logical name on ``table``: one, or a composite key's parts."""
+        source = self.tasks if table is None else table
+        return [source.c[name] for name in self.mapping.columns.parts(logical)]
+
+    def key_text(self, logical: str, table: sa.FromClause | None = None) -> sa.ColumnElement[Any]:
+        """A key as text: the column cast to text, or a composite key's parts joined with ``/``.
+
+        The separator is not escaped: a composite key is unambiguous as long as no part but the last
+        contains ``/`` (Airflow's dag ids cannot; its run ids may only as the last part)."""
+        columns = self.parts(logical, table)
+        texts = [sa.cast(c, sa.String) for c in columns]
+        if len(texts) == 1:
+            return texts[0]
+        joined: sa.ColumnElement[Any] = texts[0]
+        for text in texts[1:]:
+            joined = joined + sa.literal("/", sa.String) + text
+        return sa.type_coerce(joined, sa.String)
+
+    def key_equal(self, logical: str, a: sa.FromClause, b: sa.FromClause) -> sa.ColumnElement[bool]:
+        """Rows ``a`` and ``b`` have the same key, compared part by part (so an index on the parts serves)."""
+        return sa.and_(*(x == y for x, y in zip(self.parts(logical, a), self.parts(logical, b), strict=True)))
 
     def has(self, logical: str) -> bool:
         return getattr(self.mapping.columns, logical) is not None
@@ -43,6 +71,36 @@ class TaskTable:
     @property
     def statuses(self) -> Any:
         return self.mapping.statuses
+
+    def status_in(self, *names: str, table: sa.FromClause | None = None) -> sa.ColumnElement[bool]:
+        """The row's status is one of the logical statuses ``names`` (every stored value of each, SQL NULL
+        included where the mapping says NULL means one of them). A status with one value compiles to a
+        plain ``=``, as before lists existed."""
+        column = self.col("status", table)
+        values: list[str] = []
+        null = False
+        for name in names:
+            for value in self.statuses.of(name):
+                if value is None:
+                    null = True
+                elif value not in values:
+                    values.append(value)
+        clauses: list[sa.ColumnElement[bool]] = []
+        if len(values) == 1:
+            clauses.append(column == values[0])
+        elif values:
+            clauses.append(column.in_(values))
+        if null:
+            clauses.append(column.is_(None))
+        if not clauses:
+            return sa.false()
+        return clauses[0] if len(clauses) == 1 else sa.or_(*clauses)
+
+    @property
+    def has_rules(self) -> bool:
+        """Whether trigger rules are mapped (else every dependency must be completed: all_success)."""
+        edges = self.mapping.edges
+        return self.has("trigger_rule") or (edges is not None and edges.rule is not None)
 
     def workflow_type_source(
         self, tasks: sa.FromClause, only_instances: sa.BindParameter[Any] | None = None
@@ -65,8 +123,10 @@ class TaskTable:
 def reflect_tables(bind: Engine | Connection, mapping: TaskTableMapping) -> TaskTable:
     """Reflect the mapped tables; raise :class:`MappingMismatch` naming any missing table or column."""
     metadata = sa.MetaData()
-    tasks = _reflect(bind, metadata, mapping.table, mapping.schema)
+    tasks = _reflect(bind, metadata, mapping.read_table or mapping.table, mapping.schema)
     _require_columns(tasks, mapping.columns.mapped().items(), "mapping.columns")
+    for column, _value in mapping.dispatch_set:
+        _require_columns(tasks, [("set", column)], "mapping.dispatch")
     instances = None
     if mapping.type_from_instances:
         assert mapping.instances is not None
@@ -85,6 +145,16 @@ def reflect_tables(bind: Engine | Connection, mapping: TaskTableMapping) -> Task
             [("task_id", mapping.edges.task_id), ("depends_on_id", mapping.edges.depends_on_id)],
             "mapping.dependencies",
         )
+    elif mapping.dependency_mode == "keys":
+        assert mapping.edges is not None and mapping.edges.task_key and mapping.edges.depends_on_key
+        edges = _reflect(bind, metadata, mapping.edges.table, mapping.edges.schema)
+        wanted = [("task_key", mapping.edges.task_key), ("depends_on_key", mapping.edges.depends_on_key),
+                  *[("match", m) for m in mapping.edges.match]]
+        if mapping.edges.rule:
+            wanted.append(("rule", mapping.edges.rule))
+        _require_columns(edges, wanted, "mapping.dependencies")
+        _require_columns(tasks, [("key_column", mapping.dependency_key_column),
+                                 *[("match", m) for m in mapping.edges.match]], "mapping.dependencies")
     return TaskTable(mapping, tasks, instances, edges, bind.dialect.name)
 
 
