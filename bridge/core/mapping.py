@@ -293,7 +293,8 @@ class TaskTableMapping:
         object.__setattr__(self, "schema", validate_optional_identifier(self.schema, "mapping.schema"))
         object.__setattr__(self, "read_table", validate_optional_identifier(self.read_table, "mapping.read_table"))
         if self.attempt_moves not in ("claim", "dispatch"):
-            raise MappingError(f"mapping.dispatch.attempt_moves must be 'claim' or 'dispatch', got {self.attempt_moves!r}")
+            raise MappingError("mapping.dispatch.attempt_moves must be 'claim' or 'dispatch', "
+                               f"got {self.attempt_moves!r}")
         for column, value in self.dispatch_set:
             validate_identifier(column, "mapping.dispatch.set")
             if value not in DISPATCH_SET_VALUES:
