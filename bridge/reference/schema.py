@@ -42,10 +42,13 @@ def demo_metadata(dialect_name: str) -> sa.MetaData:
         sa.Column("dispatched_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=now),
+        # Optional trigger rule (Airflow's names; NULL = all_success), read when a mapping sets
+        # columns.trigger_rule: a branch's join can run after one side was skipped.
+        sa.Column("trigger_rule", sa.Text, nullable=True),
         sa.UniqueConstraint("instance_id", "task_key", name="tasks_instance_task_key_key"),
         sa.Index("tasks_status_idx", "status"),
         sa.CheckConstraint(
-            "status IN ('pending','queued','running','completed','failed','review')", name="tasks_status_check"
+            "status IN ('pending','queued','running','completed','failed','review','skipped')", name="tasks_status_check"
         ),
     )
     return metadata
