@@ -29,6 +29,8 @@ def scan_statement(tt: TaskTable, mode: str, flags: Mapping[str, Flag], batch_si
     routed = (sweep_filter if mode == "sweep" else scan_filter)(tt, t, workflow_type, flags)
     if mode == "sweep" and routed is None:
         return None  # no cutover type: nothing to sweep
+    # The attempt a dispatch starts: attempts + 1 when a claim increments the counter (the reference);
+    # the incremented value itself is written by the dispatch when the dispatch moves it (Airflow).
     attempt = (tt.col("attempts") + 1) if tt.has("attempts") else sa.null()
     where = ready_predicate(tt, t) if routed is None else sa.and_(ready_predicate(tt, t), routed)
     ready = (
@@ -49,7 +51,7 @@ def scan_statement(tt: TaskTable, mode: str, flags: Mapping[str, Flag], batch_si
     # What a poll examines: the pending rows of the types it still scans (so the work cutover saves
     # shows in pollbridge_poller_rows_examined_total instead of being claimed).
     cutover = sorted(name for name, f in flags.items() if f.phase == "cutover")
-    counted = tt.col("status") == tt.statuses.pending
+    counted = tt.status_in("pending")
     count_src: sa.FromClause = t
     if cutover:
         count_src = src
@@ -70,10 +72,10 @@ def repend_failed_statement(tt: TaskTable, flags: Mapping[str, Flag]) -> sa.Upda
     """The legacy scheduler's retry: every failed task with attempts left back to pending (``updated_at``
     stamped by the database where mapped), except those the event path owns by the flags (it retries them
     with its backoff). Needs the ``attempts`` and ``max_attempts`` columns."""
-    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.pending}
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("pending")}
     if tt.has("updated_at"):
         values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
-    where = [tt.col("status") == tt.statuses.failed, tt.col("attempts") < tt.col("max_attempts")]
+    where = [tt.status_in("failed"), tt.col("attempts") < tt.col("max_attempts")]
     owned = owned_by_events(tt, tt.tasks, flags)
     if owned is not None:  # the event scheduler retries those, with its backoff
         where.append(sa.not_(owned))

@@ -55,7 +55,7 @@ class WorkerPool:
         # SQLite: a claim is a write transaction and the database has one write lock, so idle workers (each
         # claiming every idle_sleep) would keep the relay and the schedulers waiting; they look first, without it.
         self._reader = read_only(engine)
-        self._peek = (sa.select(tables.col("id")).where(tables.col("status") == tables.statuses.dispatched).limit(1)
+        self._peek = (sa.select(tables.col("id")).where(tables.status_in("dispatched")).limit(1)
                       if engine.dialect.name == "sqlite" else None)
         self._lock = threading.Lock()
         self.completed = 0
@@ -66,20 +66,20 @@ class WorkerPool:
         tt = self.tables
         pick = (
             sa.select(tt.col("id"))
-            .where(tt.col("status") == tt.statuses.dispatched)
+            .where(tt.status_in("dispatched"))
             .order_by(tt.col("id"))
             .limit(1)
             .with_for_update(skip_locked=True)
             .scalar_subquery()
         )
-        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.running}
+        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("running")}
         if tt.has("attempts"):
             values[tt.mapping.columns.attempts or ""] = tt.col("attempts") + 1
         if tt.has("updated_at"):
             values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
         return (
             tt.tasks.update()
-            .where(tt.col("id") == pick, tt.col("status") == tt.statuses.dispatched)
+            .where(tt.col("id") == pick, tt.status_in("dispatched"))
             .values(values)
             .returning(tt.col("id"))
         )
@@ -87,11 +87,11 @@ class WorkerPool:
     def _finish(self, task_id: Any, ok: bool) -> None:
         tt = self.tables
         now = db_now(tt.dialect_name)
-        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.completed if ok else tt.statuses.failed}
+        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("completed" if ok else "failed")}
         for logical in ("completed_at", "updated_at"):
             if tt.has(logical):
                 values[getattr(tt.mapping.columns, logical)] = now
-        stmt = tt.tasks.update().where(tt.col("id") == task_id, tt.col("status") == tt.statuses.running)
+        stmt = tt.tasks.update().where(tt.col("id") == task_id, tt.status_in("running"))
         with self.engine.begin() as conn:
             conn.execute(stmt.values(values))
 

@@ -400,6 +400,11 @@ def load_settings(
     settings = settings_from_dict(raw)
     if path is not None:
         settings = replace(settings, config_file=str(path))
+        install_sql = settings.mapping.install_sql
+        if install_sql is not None and not Path(install_sql).is_absolute():
+            # Relative to the configuration file, so an integration's folder works from anywhere.
+            settings = replace(settings, mapping=replace(settings.mapping,
+                                                         install_sql=str(path.parent.resolve() / install_sql)))
     settings = settings.with_overrides(
         database_url=env.get(ENV_DATABASE_URL) or None, bus_url=env.get(ENV_BUS_URL) or None
     )

@@ -15,11 +15,16 @@ from string import Template
 _NAME = re.compile(r"^-- name: ([a-z0-9_]+)\s*$", re.MULTILINE)
 
 
+def parse_blocks(text: str) -> dict[str, str]:
+    """The ``-- name: NAME`` blocks of a SQL text (what precedes the first name line is a comment)."""
+    parts = _NAME.split(text)
+    return {parts[i]: parts[i + 1].strip() for i in range(1, len(parts), 2)}
+
+
 @cache
 def load_blocks(dialect_name: str) -> dict[str, str]:
     text = resources.files("bridge.db").joinpath("sql", f"{dialect_name}.sql").read_text(encoding="utf-8")
-    parts = _NAME.split(text)
-    return {parts[i]: parts[i + 1].strip() for i in range(1, len(parts), 2)}
+    return parse_blocks(text)
 
 
 def render(dialect_name: str, block: str, **values: str) -> str:

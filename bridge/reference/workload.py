@@ -144,7 +144,7 @@ def seed(conn: Connection, tt: TaskTable, specs: Iterable[WorkflowSpec], *, now:
             row: dict[str, Any] = {
                 cols.instance_id: spec.instance_id,
                 cols.task_key: task.key,
-                cols.status: tt.statuses.pending,
+                cols.status: tt.statuses.write("pending"),
             }
             if cols.workflow_type:
                 row[cols.workflow_type] = spec.workflow_type
