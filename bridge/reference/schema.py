@@ -48,7 +48,8 @@ def demo_metadata(dialect_name: str) -> sa.MetaData:
         sa.UniqueConstraint("instance_id", "task_key", name="tasks_instance_task_key_key"),
         sa.Index("tasks_status_idx", "status"),
         sa.CheckConstraint(
-            "status IN ('pending','queued','running','completed','failed','review','skipped')", name="tasks_status_check"
+            "status IN ('pending','queued','running','completed','failed','review','skipped')",
+            name="tasks_status_check",
         ),
     )
     return metadata
