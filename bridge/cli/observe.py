@@ -66,7 +66,8 @@ def explain(ctx: click.Context, task_id: str, as_json: bool) -> None:
         bus = components.optional_bus(engine)
         try:
             story = explain_task(engine, tables, task_id, bus=bus.bus, bus_error=bus.error,
-                                 group=settings.scheduler.group, store=components.flag_store(engine))
+                                 group=settings.scheduler.group, store=components.flag_store(engine),
+                                 foreign=settings.legacy.foreign)
         except SQLAlchemyError as exc:
             raise _not_readable(exc, engine) from None
     finally:
@@ -157,7 +158,7 @@ def status(ctx: click.Context, window: float, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(state.to_json(), indent=2))
     else:
-        _print_status(state)
+        _print_status(state, foreign=components.settings.legacy.foreign)
     unread = _unread_parts(state)
     if unread:
         click.echo(f"pollbridge: error: status incomplete: {'; '.join(unread)}", err=True)
@@ -186,9 +187,11 @@ def _gather(components: Components, engine: Engine, bus: OptionalBus, window: fl
         raise _not_readable(exc, engine) from None
 
 
-def _print_status(s: Any) -> None:
+def _print_status(s: Any, foreign: bool = False) -> None:
     console = Console(width=160)
-    table = Table("workflow type", "phase", "poller", "events", "fallback (misses)", "shadow decisions",
+    # A foreign scheduler's dispatches are the captured ones the relay records under the path 'poller'.
+    legacy = "legacy scheduler (captured)" if foreign else "poller"
+    table = Table("workflow type", "phase", legacy, "events", "fallback (misses)", "shadow decisions",
                   "guardian demotions",
                   title=f"pollbridge status: {s.database}, last {s.window_seconds:g} s (at {_t(s.checked_at)})")
     for t in s.types:

@@ -1,9 +1,10 @@
 """``pollbridge reconcile``: both paths side by side over a window, with the gate verdict per type.
 
 Exit codes: 0 (also when a type fails, unless ``--gate``), 1 with ``--gate`` when any type fails or has
-no evidence (verdict ``no_evidence``: no compared task in the window), or when the database cannot be
-read; 2 bad input (an unparseable time, ``--until`` before ``--since``, a bad type name, a ``--type``
-that is no workflow type, an ``--output`` that cannot be written), checked before the report is built.
+no evidence (verdict ``no_evidence``: no compared task in the window, or no dispatch observed in it: in
+``dual_write`` none of the legacy scheduler's), or when the database cannot be read; 2 bad input (an
+unparseable time, ``--until`` before ``--since``, a bad type name, a ``--type`` that is no workflow type, an
+``--output`` that cannot be written), checked before the report is built.
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ def _gate_failure(report: Report) -> str:
               for t in report.types if t.verdict == FAIL]
     if failed:
         parts.append(f"gate failed for {'; '.join(failed)}")
-    empty = [t.workflow_type for t in report.types if t.verdict == NO_EVIDENCE]
+    empty = [t for t in report.types if t.verdict == NO_EVIDENCE]
     if empty:
-        parts.append(f"no evidence for {', '.join(empty)} (no compared task in the window)")
+        parts.append("; ".join(f"no evidence for {t.workflow_type} ({t.no_evidence_reason})" for t in empty))
     if not report.types:
         parts.append("no evidence: no workflow type acted in the window")
     text = "; ".join(parts)
@@ -139,7 +140,7 @@ def _print_table(report: Report) -> None:
     console.print(_table(report))
     for t in report.types:
         if t.verdict == NO_EVIDENCE:
-            console.print(f"  {t.workflow_type}: [yellow]no evidence[/yellow]: no compared task in the window")
+            console.print(f"  {t.workflow_type}: [yellow]no evidence[/yellow]: {t.no_evidence_reason}")
             continue
         for c in t.criteria:
             if not c.passed:

@@ -156,6 +156,8 @@ decisions = sa.Table(
     sa.Column("trace_id", sa.String(64), nullable=True),
     sa.Index("pollbridge_decisions_task_attempt_key", "task_id", "attempt", unique=True),
     sa.Index("pollbridge_decisions_type_time_idx", "workflow_type", "decided_at"),
+    # by logical task (migration 0007): a foreign scheduler may give a retry a new row id
+    sa.Index("pollbridge_decisions_instance_idx", "instance_id"),
 )
 
 #: Which scheduler process consumes which bus partition (one at a time, so one instance's events are

@@ -1,21 +1,26 @@
 """The reconciler's core: what each path did for every task that became ready in a window.
 
 Set-based SQL, never a Python loop over tasks. Every dispatch (``pollbridge_dispatch_log``, paths
-``poller``, ``events``, ``fallback``) and every shadow decision (``pollbridge_decisions``) in the window
-is grouped by (task, attempt) and classified:
+``poller`` — the legacy scheduler, pollbridge's poller or a foreign one's captured dispatches
+(:mod:`bridge.capture.evidence`) —, ``events``, ``fallback``) and every shadow decision
+(``pollbridge_decisions``) in the window is grouped by logical task attempt (instance id, task key,
+attempt; never the row id, which a foreign scheduler may change between tries) and classified, each
+attempt once, in one kind:
 
 ``duplicate``  more than one dispatch of the same attempt (a safety violation);
 ``early``      an action before the task's readiness, re-derived from the task table (its
-               dependencies' completion times, its awaited signal, and for the current attempt its
-               due time), not from what the dispatcher recorded (a safety violation);
-``matched``    the event path acted (dispatch or shadow decision) within the latency objective;
-``late``       the event path acted, past the objective;
+               dependencies' completion times, or with trigger rules its rule on their states at that
+               time, its awaited signal, and for the current attempt its due time), not from what the
+               dispatcher recorded (a safety violation);
+``matched``    the event path acted within the latency objective, paired with a dispatch: its own, or
+               the legacy scheduler's dispatch of the attempt its shadow decision was for;
+``late``       the same, past the objective (an unpaired decision is never late: it is ``extra``);
 ``missing``    the event path was responsible but did not act: the poller's fallback or safety
-               sweep dispatched it, or the poller dispatched it while the type was in ``dual_write``
-               and no decision was recorded; also a task ready longer than the tolerance that no path
-               dispatched, in a phase where the event path is responsible;
+               sweep dispatched it, or the legacy scheduler dispatched it while the type was in
+               ``dual_write`` and no decision was recorded; also a task ready longer than the tolerance
+               that no path dispatched (nor decided), in a phase where the event path is responsible;
 ``extra``      a shadow decision for an attempt no path dispatched within the tolerance (it acted on
-               a task that, for the poller, never became ready);
+               a task that, for the legacy scheduler, never became ready);
 ``pending``    not decided yet: inside the tolerance at the window's end (expected noise, named);
 ``poller``     dispatched by the poller while it was authoritative (``polling``, or an instance
                outside a ``selective`` percentage): not an event-path comparison.
@@ -52,7 +57,11 @@ COMPARED = ("matched", "late", "missing", "early", "duplicate", "extra")
 @dataclass(frozen=True)
 class TypeCounts:
     workflow_type: str
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # kind -> attempts (only kinds of :data:`KINDS`)
+    #: Not a kind but a count beside them: the compared attempts that some path dispatched (in
+    #: ``dual_write`` the legacy scheduler, the only one that dispatches). Zero: no dispatch was observed
+    #: to compare the event path with, so "no evidence", whatever the shadow decisions.
+    dispatched: int = 0
 
     def __getitem__(self, kind: str) -> int:
         return self.counts.get(kind, 0)
@@ -155,79 +164,167 @@ def _phase_at(engine: Engine, spans: Sequence[PhaseSpan], type_col: Any, at_col:
 
 def _actions(engine: Engine, since: datetime, until: datetime, types: Sequence[str] | None,
              name: str) -> sa.Subquery:
-    """Every dispatch and shadow decision in the window: (task_id, attempt, workflow_type, kind, ready_at, at)."""
+    """Every dispatch and shadow decision in the window: (task_id, instance_id, task_key, attempt,
+    workflow_type, kind, ready_at, at)."""
     lo, hi = bind_time(engine, since), bind_time(engine, until)
     dl, dc = dispatch_log, decisions
-    log_q = sa.select(dl.c.task_id, dl.c.attempt, dl.c.workflow_type, dl.c.path.label("kind"), dl.c.ready_at,
-                      dl.c.dispatched_at.label("at")).where(dl.c.dispatched_at >= lo, dl.c.dispatched_at < hi)
-    dec_q = sa.select(dc.c.task_id, dc.c.attempt, dc.c.workflow_type, sa.literal("decision").label("kind"),
-                      dc.c.ready_at, dc.c.decided_at.label("at")).where(dc.c.decided_at >= lo, dc.c.decided_at < hi)
+    log_q = sa.select(dl.c.task_id, dl.c.instance_id, dl.c.task_key, dl.c.attempt, dl.c.workflow_type,
+                      dl.c.path.label("kind"), dl.c.ready_at, dl.c.dispatched_at.label("at")
+                      ).where(dl.c.dispatched_at >= lo, dl.c.dispatched_at < hi)
+    dec_q = sa.select(dc.c.task_id, dc.c.instance_id, dc.c.task_key, dc.c.attempt, dc.c.workflow_type,
+                      sa.literal("decision").label("kind"), dc.c.ready_at, dc.c.decided_at.label("at")
+                      ).where(dc.c.decided_at >= lo, dc.c.decided_at < hi)
     if types:
         log_q = log_q.where(dl.c.workflow_type.in_(list(types)))
         dec_q = dec_q.where(dc.c.workflow_type.in_(list(types)))
     return sa.union_all(log_q, dec_q).subquery(name)
 
 
+def _task_of(a: Any) -> sa.ColumnElement[Any]:
+    """The row id that stands for a logical task attempt: a dispatch's (the row that was dispatched, the
+    current one when a scheduler gave the retry a new id), else a decision's. One id for the reference
+    schema, whose ids never change."""
+    return sa.func.coalesce(sa.func.max(sa.case((a.kind != "decision", a.task_id))), sa.func.max(a.task_id))
+
+
 def window_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
                types: Sequence[str] | None) -> sa.Select[Any]:
-    """One row per (task, attempt) acted on in the window, with the first time of each action.
+    """One row per logical task attempt acted on in the window, with the first time of each action.
 
-    ``task_ref`` is the task id in the task table's own type, so the joins to the task table use its key."""
+    A task attempt is (instance id, task key, attempt), never the row id: a foreign scheduler may give a
+    retry a new row id (Airflow does) while it stays the same task, so a shadow decision taken on the old
+    row matches the dispatch of the new one. ``task_id`` is the row that stands for it (:func:`_task_of`);
+    ``task_ref`` is that id in the task table's own type, so the joins to the task table use its key."""
     a = _actions(engine, since, until, types, "pb_actions").c
 
     def first(kind: str) -> sa.ColumnElement[Any]:
         return sa.func.min(sa.case((a.kind == kind, a.at)))
 
+    task_id = _task_of(a)
     return (
         sa.select(
-            a.task_id, sa.cast(a.task_id, tt.col("id").type).label("task_ref"), a.attempt,
+            task_id.label("task_id"), sa.cast(task_id, tt.col("id").type).label("task_ref"),
+            a.instance_id, a.task_key, a.attempt,
             sa.func.max(a.workflow_type).label("workflow_type"),
             first("poller").label("poller_at"), first("events").label("events_at"),
             first("fallback").label("fallback_at"), first("decision").label("decision_at"),
             sa.func.sum(sa.case((a.kind != "decision", 1), else_=0)).label("dispatches"),
             sa.func.min(a.at).label("first_at"), sa.func.min(a.ready_at).label("ready_at"),
         )
-        .group_by(a.task_id, a.attempt)
+        .group_by(a.instance_id, a.task_key, a.attempt)
     )
 
 
-def _dependency_violations(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
-                           types: Sequence[str] | None) -> sa.Subquery:
-    """Per (task, attempt) acted on before a dependency was done: the latest such dependency's completion
-    and how many dependencies are not completed (or do not exist).
-
-    Only violations come out of it, so the join back to the window's million rows is to a handful. It
-    reads the actions themselves rather than the window's first action per attempt: an attempt's first
-    action precedes a dependency's completion exactly when one of its actions does, and a statement over
-    the base tables alone may run in parallel where one over a temporary table may not."""
-    a = _actions(engine, since, until, types, "pb_dv_actions")
+def _dependency_source(tt: TaskTable, a: sa.Subquery) -> tuple[sa.FromClause, Any, Any, Any]:
+    """The window's actions joined to each dependency of the acted-on task row, in every dependency mode:
+    (from clause, dependency alias, task-row alias or ``None``, the edge's rule column or ``None``). A
+    dependency that names no row gives a row with NULL dependency columns (a missing one is never done)."""
     t = tt.tasks.alias("pb_dt")
     dep = tt.tasks.alias("pb_dd")
-    completed = tt.col("completed_at", dep) if tt.has("completed_at") else sa.null()
-    not_done = sa.or_(tt.col("id", dep).is_(None), tt.col("status", dep) != tt.statuses.completed)
     owner_ref = sa.cast(a.c.task_id, tt.col("id").type)
-    source: sa.FromClause
-    if tt.mapping.dependency_mode == "json":
+    mode = tt.mapping.dependency_mode
+    if mode == "json":
         column = tt.col("depends_on", t)
         fn = (sa.func.json_array_elements_text(sa.cast(column, sa.JSON)) if tt.dialect_name == "postgresql"
               else sa.func.json_each(column))
         keys = fn.table_valued("value").alias("pb_dk")
-        source = (a.join(t, tt.col("id", t) == owner_ref).join(keys, sa.true())
-                  .outerjoin(dep, sa.and_(tt.col("instance_id", dep) == tt.col("instance_id", t),
-                                          tt.col("task_key", dep) == keys.c.value)))
-    else:
-        assert tt.edges is not None and tt.mapping.edges is not None
-        e = tt.edges.alias("pb_de")
-        source = (a.join(e, e.c[tt.mapping.edges.task_id] == owner_ref)
-                  .outerjoin(dep, tt.col("id", dep) == e.c[tt.mapping.edges.depends_on_id]))
-    violated = sa.or_(not_done, completed > a.c.at) if tt.has("completed_at") else not_done
-    return (
-        sa.select(a.c.task_id, _attempt_key(a.c.attempt).label("attempt_key"),
-                  sa.func.max(completed).label("deps_done_at"),
-                  sa.func.sum(sa.case((not_done, 1), else_=0)).label("unmet_deps"))
+        return (a.join(t, tt.col("id", t) == owner_ref).join(keys, sa.true())
+                .outerjoin(dep, sa.and_(tt.key_equal("instance_id", dep, t), tt.col("task_key", dep) == keys.c.value)),
+                dep, t, None)
+    edges = tt.mapping.edges
+    assert tt.edges is not None and edges is not None
+    e = tt.edges.alias("pb_de")
+    rule = e.c[edges.rule] if edges.rule else None
+    if mode == "keys":
+        # A workflow definition's edges (task key -> depends-on key), for the rows of the same instance that
+        # match on the ``match`` columns (as bridge.tasktable.readiness reads them).
+        assert edges.task_key is not None and edges.depends_on_key is not None
+        key_column = tt.mapping.dependency_key_column
+        return (a.join(t, tt.col("id", t) == owner_ref)
+                .join(e, sa.and_(e.c[edges.task_key] == t.c[key_column], *(e.c[m] == t.c[m] for m in edges.match)))
+                .outerjoin(dep, sa.and_(tt.key_equal("instance_id", dep, t),
+                                        dep.c[key_column] == e.c[edges.depends_on_key])),
+                dep, t, rule)
+    source: sa.FromClause = a.join(e, e.c[edges.task_id] == owner_ref)
+    task: Any = None
+    if tt.has("trigger_rule"):  # the rule is the task row's
+        source, task = source.join(t, tt.col("id", t) == owner_ref), t
+    return source.outerjoin(dep, tt.col("id", dep) == e.c[edges.depends_on_id]), dep, task, rule
+
+
+def _dependency_violations(engine: Engine, tt: TaskTable, since: datetime, until: datetime,
+                           types: Sequence[str] | None) -> sa.Subquery:
+    """Per logical task attempt acted on before its dependencies allowed it: the latest completion of a
+    dependency that completed after the action, and how many dependencies were unmet.
+
+    Without trigger rules (every dependency must be completed) only violating rows come out of the join,
+    so the join back to the window's million rows is to a handful. It reads the actions themselves rather
+    than the window's first action per attempt: an attempt's first action precedes a dependency's
+    completion exactly when one of its actions does, and a statement over the base tables alone may run in
+    parallel where one over a temporary table may not.
+
+    With trigger rules (:attr:`TaskTable.has_rules`), a dependency not completed is no violation by itself
+    (a join after a skipped branch, ``all_done`` after a failure): each action's rule is evaluated on its
+    dependencies' states at the action's time (a dependency done after the action was not done then; one
+    done without a recorded time counts as done before) with the same tests as the readiness SQL
+    (:func:`bridge.tasktable.readiness.rule_satisfied`), and an action whose rule was not satisfied is a
+    violation (``unmet_deps`` 1)."""
+    a = _actions(engine, since, until, types, "pb_dv_actions")
+    source, dep, task, edge_rule = _dependency_source(tt, a)
+    completed = tt.col("completed_at", dep) if tt.has("completed_at") else sa.null()
+    exists = tt.col("id", dep).is_not(None)
+    key = (a.c.instance_id, a.c.task_key, _attempt_key(a.c.attempt))
+    if not tt.has_rules:
+        not_done = sa.or_(~exists, ~tt.status_in("completed", table=dep))
+        violated = sa.or_(not_done, completed > a.c.at) if tt.has("completed_at") else not_done
+        return (
+            sa.select(*key[:2], key[2].label("attempt_key"), sa.func.max(completed).label("deps_done_at"),
+                      sa.func.sum(sa.case((not_done, 1), else_=0)).label("unmet_deps"))
+            .select_from(source)
+            .where(violated)
+            .group_by(*key)
+            .subquery("pb_deps_violated")
+        )
+    done_then = sa.or_(completed.is_(None), completed <= a.c.at) if tt.has("completed_at") else sa.true()
+
+    def count(status: str) -> sa.ColumnElement[Any]:
+        if not tt.statuses.of(status):
+            return sa.literal(0)
+        return sa.func.coalesce(sa.func.sum(sa.case(
+            (sa.and_(exists, tt.status_in(status, table=dep), done_then), 1), else_=0)), 0)
+
+    n = sa.func.count()
+    ok, failed, skipped = count("completed"), count("failed"), count("skipped")
+    done = ok + failed + skipped
+    parts: list[sa.ColumnElement[Any]] = []
+    if task is not None and tt.has("trigger_rule"):
+        parts.append(sa.func.max(tt.col("trigger_rule", task)))
+    if edge_rule is not None:
+        parts.append(sa.func.max(edge_rule))
+    parts.append(sa.literal("all_success", sa.String))
+    rule = sa.func.coalesce(*parts)
+    tests = {
+        "all_success": ok == n, "all_done": done == n, "all_failed": failed == n, "all_skipped": skipped == n,
+        "one_success": ok >= 1, "one_failed": failed >= 1, "one_done": (ok + failed) >= 1,
+        "none_failed": sa.and_(done == n, failed == 0),
+        "none_failed_min_one_success": sa.and_(done == n, failed == 0, ok >= 1),
+        "none_skipped": sa.and_(done == n, skipped == 0), "always": sa.true(),
+    }
+    satisfied = sa.case(*((rule == name, sa.case((test, 1), else_=0)) for name, test in tests.items()), else_=0)
+    later = sa.func.max(sa.case((sa.and_(exists, completed > a.c.at), completed))) if tt.has("completed_at") \
+        else sa.null()
+    per_action = (
+        sa.select(*key[:2], key[2].label("attempt_key"), later.label("done_later"))
         .select_from(source)
-        .where(violated)
-        .group_by(a.c.task_id, _attempt_key(a.c.attempt))
+        .group_by(*key, a.c.at)
+        .having(satisfied == 0)
+        .subquery("pb_rule_violated")
+    )
+    v = per_action.c
+    return (
+        sa.select(v.instance_id, v.task_key, v.attempt_key, sa.func.max(v.done_later).label("deps_done_at"),
+                  sa.literal(1).label("unmet_deps"))
+        .group_by(v.instance_id, v.task_key, v.attempt_key)
         .subquery("pb_deps_violated")
     )
 
@@ -253,11 +350,12 @@ def facts_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, t
         current = (per.c.attempt >= tt.col("attempts", t)) if tt.has("attempts") else sa.true()
         parts.append(sa.case((current, tt.col("due_at", t))))
     return (
-        sa.select(*[c for c in per.c if c.name != "task_ref"], greatest(tt.dialect_name, parts).label("facts_ready"),
+        sa.select(*[c for c in per.c if c.name not in ("task_ref", "instance_id", "task_key")],
+                  greatest(tt.dialect_name, parts).label("facts_ready"),
                   sa.func.coalesce(dv.c.unmet_deps, 0).label("unmet_deps"),
                   _phase_at(engine, spans, per.c.workflow_type, per.c.first_at).label("phase"))
         .select_from(per.outerjoin(t, tt.col("id", t) == per.c.task_ref)
-                     .outerjoin(dv, sa.and_(dv.c.task_id == per.c.task_id,
+                     .outerjoin(dv, sa.and_(dv.c.instance_id == per.c.instance_id, dv.c.task_key == per.c.task_key,
                                             dv.c.attempt_key == _attempt_key(per.c.attempt))))
     )
 
@@ -276,13 +374,18 @@ def kinds_sql(engine: Engine, dialect_name: str, per: sa.FromClause, until: date
     c = per.c
     d = dialect_name
     event_at = c.poller_at if control else sa.func.coalesce(c.events_at, c.decision_at)
-    # ``late`` is judged on the recorded readiness (both paths record the same readiness SQL).
+    # Paired: the judged action has the dispatch it is compared with (an event-path dispatch is one; a
+    # shadow decision needs the legacy scheduler's). Only a paired attempt can be ``late``: a shadow
+    # decision nobody dispatched is ``extra`` however slow, so each attempt is counted in one kind only.
+    paired = c.poller_at.is_not(None) if control else sa.or_(c.events_at.is_not(None), c.dispatches > 0)
+    # ``late`` is judged on the recorded readiness (both paths record the same readiness SQL; a foreign
+    # scheduler's dispatches record none, so a matched attempt takes the shadow decision's).
     event_ms = millis_between(d, c.ready_at, event_at)
     tolerance_ago = _tolerance_before(engine, until, tolerance)
     safety: list[tuple[sa.ColumnElement[bool], str]] = [
         (c.dispatches > 1, "duplicate"),
         (sa.or_(c.unmet_deps > 0, sa.and_(c.facts_ready.is_not(None), c.first_at < c.facts_ready)), "early"),
-        (sa.and_(event_at.is_not(None), c.ready_at.is_not(None), event_ms > objective * 1000.0), "late"),
+        (sa.and_(paired, event_at.is_not(None), c.ready_at.is_not(None), event_ms > objective * 1000.0), "late"),
     ]
     if control:
         kind = sa.case(*safety, (c.poller_at.is_not(None), "matched"), else_="events")
@@ -360,17 +463,28 @@ def _tolerance_before(engine: Engine, until: datetime, tolerance: float) -> Any:
     return bind_time(engine, until - timedelta(seconds=tolerance))
 
 
-def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float) -> sa.Select[Any]:
-    """Tasks ready now that no path dispatched: ``missing`` past the tolerance, else ``pending``."""
+def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float,
+                acted: sa.FromClause | None = None) -> sa.Select[Any]:
+    """Tasks ready now that no path dispatched: ``missing`` past the tolerance, else ``pending``.
+
+    ``acted``: the window's classification (:func:`classified`); a ready task whose next attempt is in it
+    (a shadow decision nobody dispatched yet: ``pending`` or ``extra`` there) is left out, so each task
+    attempt is counted once, in one kind."""
     t = tt.tasks
     src, workflow_type = tt.workflow_type_source(t)
     since = ready_since(tt, t)
     kind = sa.case((sa.and_(since.is_not(None), since < db_ago(tt.dialect_name, tolerance)), "missing"),
                    else_="pending")
-    q = (sa.select(sa.cast(tt.col("id"), sa.String).label("task_id"), workflow_type.label("workflow_type"),
+    task_id = sa.cast(tt.col("id"), sa.String)
+    q = (sa.select(task_id.label("task_id"), workflow_type.label("workflow_type"),
                    kind.label("kind"), since.label("ready_at"),
                    millis_between(tt.dialect_name, since, db_now(tt.dialect_name)).label("waiting_ms"))
          .select_from(src).where(ready_predicate(tt, t)))
+    if acted is not None:
+        # A pending row's next dispatch is attempt attempts + 1, whenever the counter moves.
+        attempt = (tt.col("attempts") + 1) if tt.has("attempts") else sa.null()
+        q = q.where(~sa.exists(sa.select(sa.literal(1)).select_from(acted).where(
+            acted.c.task_id == task_id, _attempt_key(acted.c.attempt) == _attempt_key(attempt))))
     if types:
         q = q.where(workflow_type.in_(list(types)))
     return q
@@ -397,22 +511,27 @@ def count_by_type(engine: Engine, tt: TaskTable, since: datetime, until: datetim
 
 def counts_from(conn: Connection, tt: TaskTable, kinds: sa.FromClause, *, types: Sequence[str] | None,
                 tolerance: float, include_unacted: bool, control: bool) -> dict[str, TypeCounts]:
-    grouped = sa.select(kinds.c.workflow_type, kinds.c.kind, sa.func.count()).group_by(
+    dispatched = sa.func.sum(sa.case((kinds.c.dispatches > 0, 1), else_=0))
+    grouped = sa.select(kinds.c.workflow_type, kinds.c.kind, sa.func.count(), dispatched).group_by(
         kinds.c.workflow_type, kinds.c.kind)
     out: dict[str, dict[str, int]] = {}
-    for workflow_type, kind, n in conn.execute(grouped):
-        out.setdefault(workflow_type or "", {})[kind] = int(n)
-    if include_unacted:
-        add_unacted(conn, tt, out, types=types, tolerance=tolerance, control=control)
-    return {name: TypeCounts(name, counts) for name, counts in sorted(out.items())}
+    observed: dict[str, int] = {}
+    for workflow_type, kind, n, with_dispatch in conn.execute(grouped):
+        name = workflow_type or ""
+        out.setdefault(name, {})[kind] = int(n)
+        if kind in COMPARED:
+            observed[name] = observed.get(name, 0) + int(with_dispatch or 0)
+    if include_unacted:  # tasks nobody dispatched: never a dispatch observed
+        add_unacted(conn, tt, out, types=types, tolerance=tolerance, control=control, acted=kinds)
+    return {name: TypeCounts(name, counts, observed.get(name, 0)) for name, counts in sorted(out.items())}
 
 
 def add_unacted(conn: Connection, tt: TaskTable, out: dict[str, dict[str, int]], *, types: Sequence[str] | None,
-                tolerance: float, control: bool) -> None:
+                tolerance: float, control: bool, acted: sa.FromClause | None = None) -> None:
     """Add to ``out`` (type -> kind -> count) the tasks ready now that no path dispatched (see
-    :func:`count_by_type`)."""
+    :func:`count_by_type`), except those ``acted`` (the window's classification) already counts."""
     phases = current_phases(conn)
-    unacted = unacted_sql(tt, types, tolerance).subquery()
+    unacted = unacted_sql(tt, types, tolerance, acted).subquery()
     for workflow_type, kind, n in conn.execute(
             sa.select(unacted.c.workflow_type, unacted.c.kind, sa.func.count())
             .group_by(unacted.c.workflow_type, unacted.c.kind)):

@@ -20,7 +20,10 @@
   may be another task's change of the same instance: the scheduler handles an instance's events as one
   batch), each with the phase the type was in at that moment
   (from the audit trail, :func:`bridge.reconcile.classify.phase_spans`), the current flag and the routes it
-  gives this instance;
+  gives this instance. Both are looked up by the row id *and* by the logical task (instance id, task key):
+  a foreign scheduler may give a retry a new row id (Airflow does), and its earlier tries stay the same
+  task's story. A foreign scheduler's dispatches (``foreign``) are captured transitions recorded with
+  path ``poller`` (:mod:`bridge.capture.evidence`) and named "the legacy scheduler";
 * **the answer**: a code and one sentence (:class:`Answer`).
 
 Answer codes (stable): ``dispatched``, ``completed``, ``failed_terminal``, ``rejected``,
@@ -74,6 +77,8 @@ ANSWER_CODES = ("dispatched", "completed", "failed_terminal", "rejected", "faile
 DELIVERY_STATES = ("unpublished", "undelivered", "pending", "acknowledged", "dead_lettered", "unknown")
 
 PATH_NAMES = {"poller": "the legacy poller", "events": "the event path", "fallback": "the poller's fallback"}
+#: The ``poller`` path of a foreign legacy scheduler: its dispatches captured from the task table.
+FOREIGN_LEGACY = "the legacy scheduler"
 
 
 class UnknownTask(PollbridgeError):
@@ -266,6 +271,7 @@ class Explanation:
     flag: FlagView
     phases: tuple[PhaseSpan, ...]
     answer: Answer
+    foreign: bool = False  # the legacy scheduler is foreign: its dispatches are captured, path 'poller'
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -290,11 +296,12 @@ class Explanation:
 
 def explain_task(engine: Engine, tt: TaskTable, task_id: str, *, bus: EventBus | None = None,
                  bus_error: str | None = None, group: str = SchedulerSettings().group,
-                 store: FlagStore | None = None) -> Explanation:
+                 store: FlagStore | None = None, foreign: bool = False) -> Explanation:
     """The story of ``task_id`` (see the module docstring). Raises :class:`UnknownTask` for an unknown id.
 
     ``bus`` is optional: without one (or when it fails) every delivery is ``unknown`` with ``bus_error``
-    or the failure as the reason; everything else comes from the database."""
+    or the failure as the reason; everything else comes from the database. ``foreign``: the legacy
+    scheduler is not pollbridge's poller (``[legacy] kind = "foreign"``)."""
     key = _task_key(tt, task_id)
     reader = read_only(engine)
     with reader.connect() as conn:
@@ -307,9 +314,12 @@ def explain_task(engine: Engine, tt: TaskTable, task_id: str, *, bus: EventBus |
         deps = _dependencies(conn, tt, row)
         sigs = tuple(SignalRecord(r.kind, r.actor, as_utc(r.received_at), r.payload) for r in conn.execute(
             sa.select(signals).where(signals.c.task_id == task_text).order_by(signals.c.id)))
-        decision_rows = conn.execute(sa.select(decisions).where(decisions.c.task_id == task_text)
+        instance_text, key_text = str(row.pb_instance), str(row.pb_key)
+        decision_rows = conn.execute(sa.select(decisions).where(_same_task(decisions, task_text, instance_text,
+                                                                           key_text))
                                      .order_by(decisions.c.id)).all()
-        dispatch_rows = conn.execute(sa.select(dispatch_log).where(dispatch_log.c.task_id == task_text)
+        dispatch_rows = conn.execute(sa.select(dispatch_log).where(_same_task(dispatch_log, task_text, instance_text,
+                                                                              key_text))
                                      .order_by(dispatch_log.c.id)).all()
         event_rows = conn.execute(sa.select(outbox).where(outbox.c.task_id == task_text)
                                   .order_by(outbox.c.id.desc()).limit(MAX_EVENTS + 1)).all()
@@ -349,18 +359,26 @@ def explain_task(engine: Engine, tt: TaskTable, task_id: str, *, bus: EventBus |
                            traced.get(r.trace_id)) for r in dispatch_rows)
     flag = _flag_view(store if store is not None else FlagStore(engine), workflow_type, instance_id)
 
-    status = str(row.pb_status)
+    # A NULL status (Airflow's waiting task instance) means what the mapping says NULL means.
+    status = "NULL" if row.pb_status is None else str(row.pb_status)
     partial = Explanation(
         task_id=task_text, instance_id=instance_id, task_key=str(row.pb_key), workflow_type=workflow_type,
-        status=status, logical_status=tt.statuses.logical(status),
+        status=status, logical_status=tt.statuses.logical(None if row.pb_status is None else status),
         attempts=_int(row.pb_attempts) if tt.has("attempts") else None,
         max_attempts=_int(row.pb_max_attempts) if tt.has("max_attempts") else None,
         dispatched_at=as_utc(row.pb_dispatched_at) if tt.has("dispatched_at") else None,
         completed_at=as_utc(row.pb_completed_at) if tt.has("completed_at") else None,
         updated_at=as_utc(row.pb_updated_at) if tt.has("updated_at") else None,
         readiness=readiness, events=events, events_truncated=truncated, decisions=decs, dispatches=disps,
-        flag=flag, phases=spans, answer=Answer("unknown_status", ""))
+        flag=flag, phases=spans, answer=Answer("unknown_status", ""), foreign=foreign)
     return _with_answer(partial)
+
+
+def _same_task(table: sa.Table, task_id: str, instance_id: str, task_key: str) -> sa.ColumnElement[bool]:
+    """Rows of ``table`` (decisions, dispatch log) about this task: its row id, or its logical task (a retry
+    given a new row id stays the same task). Both are indexed (task id; instance id)."""
+    c = table.c
+    return sa.or_(c.task_id == task_id, sa.and_(c.instance_id == instance_id, c.task_key == task_key))
 
 
 def phase_at(spans: Sequence[PhaseSpan], at: datetime | None) -> str:
@@ -416,41 +434,57 @@ def _task_row(conn: Connection, tt: TaskTable, key: Any) -> Any:
 
 
 def _dependencies(conn: Connection, tt: TaskTable, row: Any) -> tuple[Dependency, ...]:
-    completed = tt.statuses.completed
     dep = tt.tasks.alias("pb_explain_dep")
     completed_col = tt.col("completed_at", dep).label("completed_at") if tt.has("completed_at") \
         else sa.null().label("completed_at")
+
+    def found(key: str, r: Any) -> Dependency:
+        status = None if r.status is None else str(r.status)
+        logical = tt.statuses.logical(status)  # a NULL status is whatever the mapping says NULL means
+        return Dependency(key, str(r.id), status, logical, as_utc(r.completed_at), logical == "completed")
+
     out: list[Dependency] = []
     if tt.mapping.dependency_mode == "json":
         keys = _json_keys(row.pb_depends_on)
         if not keys:
             return ()
-        found = {str(r.task_key): r for r in conn.execute(
+        rows = {str(r.task_key): r for r in conn.execute(
             sa.select(tt.col("id", dep).label("id"), tt.col("task_key", dep).label("task_key"),
                       tt.col("status", dep).label("status"), completed_col)
             .where(tt.col("instance_id", dep) == row.pb_instance, tt.col("task_key", dep).in_(keys)))}
         for k in keys:
-            r = found.get(k)
-            if r is None:
-                out.append(Dependency(k, None, None, None, None, False))
-            else:
-                out.append(Dependency(k, str(r.id), str(r.status), tt.statuses.logical(str(r.status)),
-                                      as_utc(r.completed_at), r.status == completed))
+            r = rows.get(k)
+            out.append(Dependency(k, None, None, None, None, False) if r is None else found(k, r))
         return tuple(out)
-    assert tt.edges is not None and tt.mapping.edges is not None
+    edges = tt.mapping.edges
+    assert tt.edges is not None and edges is not None
     e = tt.edges
-    edge_dep = e.c[tt.mapping.edges.depends_on_id]
+    if tt.mapping.dependency_mode == "keys":
+        # A workflow definition's edges (task key -> depends-on key) for this row's match columns, each
+        # resolved to the rows of the same instance with that key (several for a mapped task, none: missing).
+        assert edges.task_key is not None and edges.depends_on_key is not None
+        me = tt.tasks.alias("pb_explain_self")
+        key_column = tt.mapping.dependency_key_column
+        edge_key = e.c[edges.depends_on_key]
+        q = (sa.select(edge_key.label("dep_key"), tt.col("id", dep).label("id"),
+                       tt.col("task_key", dep).label("task_key"), tt.col("status", dep).label("status"), completed_col)
+             .select_from(me.join(e, sa.and_(e.c[edges.task_key] == me.c[key_column],
+                                              *(e.c[m] == me.c[m] for m in edges.match)))
+                          .outerjoin(dep, sa.and_(tt.key_equal("instance_id", dep, me),
+                                                  dep.c[key_column] == edge_key)))
+             .where(tt.col("id", me) == row.pb_id).order_by(edge_key, tt.col("task_key", dep)))
+        for edge in conn.execute(q):
+            out.append(Dependency(str(edge.dep_key), None, None, None, None, False) if edge.id is None
+                       else found(str(edge.task_key), edge))
+        return tuple(out)
+    edge_dep = e.c[edges.depends_on_id]
     q = (sa.select(edge_dep.label("dep_id"), tt.col("id", dep).label("id"), tt.col("task_key", dep).label("task_key"),
                    tt.col("status", dep).label("status"), completed_col)
          .select_from(e.outerjoin(dep, tt.col("id", dep) == edge_dep))
-         .where(e.c[tt.mapping.edges.task_id] == row.pb_id).order_by(edge_dep))
+         .where(e.c[edges.task_id] == row.pb_id).order_by(edge_dep))
     for edge in conn.execute(q):
-        if edge.id is None:
-            out.append(Dependency(f"#{edge.dep_id}", None, None, None, None, False))
-        else:
-            out.append(Dependency(str(edge.task_key), str(edge.id), str(edge.status),
-                                  tt.statuses.logical(str(edge.status)), as_utc(edge.completed_at),
-                                  edge.status == completed))
+        out.append(Dependency(f"#{edge.dep_id}", None, None, None, None, False) if edge.id is None
+                   else found(str(edge.task_key), edge))
     return tuple(out)
 
 
@@ -553,6 +587,10 @@ def answer_for(x: Explanation) -> Answer:
         return Answer("completed", f"{name} completed at {_fmt(x.completed_at)}{how}.")
     if logical in ("dispatched", "running"):
         if last is None:
+            if x.foreign:
+                return Answer("dispatched", f"{name} is {x.status} since {_fmt(x.dispatched_at)}, dispatched by "
+                                            "the legacy scheduler; its dispatch is not recorded yet (the relay "
+                                            "records it when it publishes the captured change).")
             return Answer("dispatched", f"{name} is {x.status} since {_fmt(x.dispatched_at)}, dispatched by a "
                                         "dispatcher pollbridge did not record (no row in pollbridge_dispatch_log).")
         state = "running" if logical == "running" else f"waiting for a worker (status {x.status})"
@@ -568,16 +606,20 @@ def answer_for(x: Explanation) -> Answer:
                                     "neither path dispatches it.")
 
 
-def _path_name(path: str, phase: str) -> str:
+def _path_name(path: str, phase: str, foreign: bool = False) -> str:
     if path == "fallback":
         return "the safety sweep (an event-path miss)" if phase == "cutover" \
             else "the poller's fallback (an event-path miss)"
+    if path == "poller" and foreign:
+        return FOREIGN_LEGACY
     return PATH_NAMES.get(path, f"path {path}")
 
 
 def _dispatch_clause(x: Explanation, d: Dispatch) -> str:
-    text = f"dispatched by {_path_name(d.path, d.phase)} at {_fmt(d.dispatched_at)}"
-    if d.latency_ms is None:
+    text = f"dispatched by {_path_name(d.path, d.phase, x.foreign)} at {_fmt(d.dispatched_at)}"
+    if d.latency_ms is None and x.foreign and d.path == "poller":
+        text += " (captured from the task table, which records no ready time)"
+    elif d.latency_ms is None:
         text += " (its ready time was not recorded)"
     elif d.latency_ms < 0:
         text += f", {_fmt_ms(-d.latency_ms)} BEFORE it became ready (an early dispatch: a safety violation)"

@@ -3,10 +3,20 @@
 Shared by the reconcile report (its verdict per type) and by promotion (:mod:`bridge.rollout.promotion`),
 which adds the capture check for ``dual_write`` and the window of the type's current phase.
 
-A verdict is one of :data:`VERDICTS`: ``pass``, ``fail``, or ``no_evidence`` for a type with no compared
-task (no evidence is never a pass). :func:`unknown_types` is the one test of whether a name is a
-workflow type at all (a flag, or a task of that type): every command that takes a type refuses one
-that is not, before it reads or writes anything else.
+A verdict is one of :data:`VERDICTS`: ``pass``, ``fail``, or ``no_evidence`` (never a pass) for a type with
+no compared task, or with no dispatch observed in the window (in ``dual_write``: not one of the legacy
+scheduler's, so shadow decisions had nothing to be matched with), unless a safety criterion failed.
+
+Only matched evidence counts toward ``min_tasks``: attempts where the event path's action was matched with
+a dispatch (its own dispatch, or the legacy scheduler's dispatch its shadow decision matched), whether
+within the latency objective (``matched``) or past it (``late``: matched, and slow; only a paired attempt
+is ever ``late``). ``extra`` decisions, misses and unsafe actions are compared (the miss rate's
+denominator) but are no evidence that the event path works, so "N compared, 0 matched" never passes,
+however low ``min_tasks`` is set: at least one matched attempt is always needed.
+
+:func:`unknown_types` is the one test of whether a name is a workflow type at all (a flag, or a task of
+that type): every command that takes a type refuses one that is not, before it reads or writes anything
+else.
 """
 
 from __future__ import annotations
@@ -74,14 +84,25 @@ def threshold(flag: Flag, settings: GateSettings, name: str) -> float:
     return float(flag.thresholds.get(name, getattr(settings, name)))
 
 
-def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSettings) -> tuple[Criterion, ...]:
-    """The evidence criteria of a gate (and of a reconcile report's verdict) for one type's counts."""
+def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSettings, *,
+          dispatched: int | None = None) -> tuple[Criterion, ...]:
+    """The evidence criteria of a gate (and of a reconcile report's verdict) for one type's counts (kind ->
+    attempts). ``dispatched``: how many compared attempts some path dispatched, when known (only said in
+    the ``min_tasks`` detail; the criterion itself needs no more than the matched count)."""
     missing = counts.get("missing", 0)
-    min_tasks = int(threshold(flag, settings, "min_tasks"))
+    late = counts.get("late", 0)
+    matched = counts.get("matched", 0) + late
+    # At least one: a threshold below 1 must not let a type pass on zero matched attempts.
+    min_tasks = max(1, int(threshold(flag, settings, "min_tasks")))
     budget = threshold(flag, settings, "miss_budget")
     upper = miss_rate_upper(missing, compared, settings.confidence)
+    detail = f"{compared} compared task(s), need {min_tasks} matched: {matched} matched"
+    if late:
+        detail += f" ({late} of them late)"
+    if dispatched == 0 and compared:
+        detail += " (no dispatch observed in the window: nothing to match the shadow decisions with)"
     return (
-        Criterion("min_tasks", compared >= min_tasks, f"{compared} compared task(s), need {min_tasks}"),
+        Criterion("min_tasks", matched >= min_tasks, detail),
         Criterion("no_early", counts.get("early", 0) == 0, f"{counts.get('early', 0)} early action(s)"),
         Criterion("no_duplicate", counts.get("duplicate", 0) == 0,
                   f"{counts.get('duplicate', 0)} duplicate dispatch(es)"),
@@ -91,9 +112,16 @@ def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSetti
     )
 
 
-def verdict_of(criteria: Sequence[Criterion], compared: int) -> str:
-    """``no_evidence`` without a compared task, else ``pass`` when every criterion passed, else ``fail``."""
+#: The criteria whose failure is a ``fail`` even without a dispatch observed: an unsafe action is evidence.
+SAFETY = ("no_early", "no_duplicate")
+
+
+def verdict_of(criteria: Sequence[Criterion], compared: int, dispatched: int | None = None) -> str:
+    """``no_evidence`` without a compared task, or (``dispatched`` known) without a dispatch observed unless
+    a safety criterion failed; else ``pass`` when every criterion passed, else ``fail``."""
     if compared == 0:
+        return NO_EVIDENCE
+    if dispatched == 0 and all(c.passed for c in criteria if c.name in SAFETY):
         return NO_EVIDENCE
     return PASS if all(c.passed for c in criteria) else FAIL
 

@@ -71,6 +71,8 @@ class TypeReport:
     miss_rate_upper: float
     histogram: dict[str, list[int]] = field(default_factory=dict)  # path -> cumulative counts per edge
     timeline: dict[str, list[int]] = field(default_factory=dict)  # path -> dispatches per time bucket
+    #: Compared attempts some path dispatched (None: not counted, as in a report built by hand).
+    dispatched: int | None = None
 
     @property
     def compared(self) -> int:
@@ -78,8 +80,17 @@ class TypeReport:
 
     @property
     def verdict(self) -> str:
-        """``pass``, ``fail`` or ``no_evidence`` (no compared task): :func:`bridge.reconcile.gate.verdict_of`."""
-        return verdict_of(self.criteria, self.compared)
+        """``pass``, ``fail`` or ``no_evidence`` (no compared task, or no dispatch observed):
+        :func:`bridge.reconcile.gate.verdict_of`."""
+        return verdict_of(self.criteria, self.compared, self.dispatched)
+
+    @property
+    def no_evidence_reason(self) -> str:
+        """Why the verdict is ``no_evidence`` (one phrase)."""
+        if self.compared == 0:
+            return "no compared task in the window"
+        return (f"no dispatch observed in the window ({self.compared} compared, none dispatched: in dual_write, "
+                "no dispatch of the legacy scheduler to match the shadow decisions with)")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"workflow_type": self.workflow_type, "phase": self.phase,
@@ -166,9 +177,10 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
                     tolerance=settings.tolerance, spans=spans, control=control) as (conn, kinds):
         step("counts, histograms and timelines")
         grid = _grid(conn, engine, tt, kinds, since, until)
-        if ends_now:
-            add_unacted(conn, tt, grid.counts, types=types, tolerance=settings.tolerance, control=control)
-        counts = {name: TypeCounts(name, n) for name, n in sorted(grid.counts.items())}
+        if ends_now:  # tasks nobody dispatched: never a dispatch observed
+            add_unacted(conn, tt, grid.counts, types=types, tolerance=settings.tolerance, control=control,
+                        acted=kinds)
+        counts = {name: TypeCounts(name, n, grid.dispatched.get(name, 0)) for name, n in sorted(grid.counts.items())}
         histograms, timelines = grid.histograms, grid.timelines
         step("latency percentiles")
         latency = latency_by_type(conn, kinds)
@@ -179,14 +191,15 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
     for name in names:
         flag = stored.get(name) or Flag(name)
         raw = dict(counts[name].counts) if name in counts else {}
+        dispatched = counts[name].dispatched if name in counts else 0
         compared = sum(raw.get(k, 0) for k in COMPARED)
         phases = _spans_in(spans, name, since, until)
         judged = control or any(s.phase != "polling" for s in phases)
-        criteria = judge(raw, compared, flag, settings) if judged else ()
+        criteria = judge(raw, compared, flag, settings, dispatched=dispatched) if judged else ()
         reports.append(TypeReport(name, phases[-1].phase if phases else flag.phase, phases, raw,
                                   latency.get(name, {}), criteria,
                                   miss_rate_upper(raw.get("missing", 0), compared, settings.confidence),
-                                  histograms.get(name, {}), timelines.get(name, {})))
+                                  histograms.get(name, {}), timelines.get(name, {}), dispatched))
     changes = tuple(c for c in store.history(limit=100_000)
                     if (not types or c.workflow_type in types) and since <= (as_utc(c.changed_at) or since) < until)
     return Report(since, until, tuple(reports), tuple(mismatches), changes, control, truncated)
@@ -199,6 +212,7 @@ class _Grid:
     counts: dict[str, dict[str, int]] = field(default_factory=dict)  # type -> kind -> n
     histograms: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # type -> path -> cumulative
     timelines: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # type -> path -> per bucket
+    dispatched: dict[str, int] = field(default_factory=dict)  # type -> compared attempts some path dispatched
 
 
 def _latency_bucket(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
@@ -227,15 +241,20 @@ def _grid(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause,
     keys = [c.workflow_type, c.kind, c.path, bucket,
             _latency_bucket(c.poller_ms), _latency_bucket(c.events_ms), _latency_bucket(c.fallback_ms)]
     labelled = [k.label(f"k{i}") for i, k in enumerate(keys)]
-    inner = sa.select(*labelled).subquery("pb_grid")
-    q = sa.select(*inner.c, sa.func.count()).group_by(*inner.c)
+    inner = sa.select(*labelled, sa.case((c.dispatches > 0, 1), else_=0).label("pb_dispatched")).subquery("pb_grid")
+    keyed = [inner.c[f"k{i}"] for i in range(len(keys))]
+    # Summed, not a grouping key: every attempt with a dispatch has a dispatch path, so grouping by it would
+    # only split the groups the path already splits.
+    q = sa.select(*keyed, sa.func.count(), sa.func.sum(inner.c.pb_dispatched)).group_by(*keyed)
     grid = _Grid()
     width = len(HISTOGRAM_EDGES_MS) + 1
-    for name, kind, path, b, *buckets, n in conn.execute(q):
+    for name, kind, path, b, *buckets, n, with_dispatch in conn.execute(q):
         name = name or ""
         n = int(n)
         per_type = grid.counts.setdefault(name, {})
         per_type[kind] = per_type.get(kind, 0) + n
+        if kind in COMPARED:
+            grid.dispatched[name] = grid.dispatched.get(name, 0) + int(with_dispatch or 0)
         series = grid.timelines.setdefault(name, {}).setdefault(path, [0] * TIMELINE_BUCKETS)
         series[min(max(int(b or 0), 0), TIMELINE_BUCKETS - 1)] += n
         for hist_path, edge_index in zip(("poller", "events", "fallback"), buckets, strict=True):
@@ -265,6 +284,10 @@ def _explain(row: Any, objective_ms: float) -> str:
     if row.path == "fallback":
         return (f"the poller's fallback dispatched it {_ms(row.fallback_ms)} after readiness: the event path "
                 "did not act within the grace period")
+    if row.path == "poller" and row.poller_ms is None:
+        # A foreign scheduler's dispatch, captured from the task table: no ready time was recorded.
+        return (f"the legacy scheduler dispatched attempt {row.attempt} (captured from the task table, no ready "
+                f"time recorded) while the type was in {row.phase}; the event path recorded no shadow decision")
     return (f"the poller dispatched it {_ms(row.poller_ms)} after readiness while the type was in {row.phase}; "
             "the event path recorded no shadow decision")
 
@@ -280,7 +303,7 @@ def _mismatches(conn: Connection, tt: TaskTable, kinds: sa.FromClause, types: Se
                             _explain(row, settings.objective * 1000.0)))
     if ends_now and len(out) <= limit:
         phases = current_phases(conn)
-        unacted = unacted_sql(tt, types, settings.tolerance).subquery()
+        unacted = unacted_sql(tt, types, settings.tolerance, kinds).subquery()
         for row in conn.execute(sa.select(unacted).where(unacted.c.kind == "missing").limit(limit + 1 - len(out))):
             phase = phases.get(row.workflow_type, "polling")
             if phase == "polling" and not control:

@@ -6,7 +6,9 @@ window, never a scan of the task table):
 * **per workflow type** (every type with a flag, a dispatch or a shadow decision in the window, or a
   guardian demotion): its phase and selective percentage, dispatches by path (``poller``, ``events``,
   ``fallback``) in the last ``window`` seconds, fallback misses (the ``fallback`` dispatches: each one
-  a task the event path should have dispatched), shadow decisions and guardian demotions;
+  a task the event path should have dispatched), shadow decisions and guardian demotions. ``poller`` is
+  the legacy scheduler: pollbridge's poller, or a foreign scheduler's dispatches captured from the task
+  table (:mod:`bridge.capture.evidence`), as the relay records them;
 * **the outbox**: backlog (unpublished rows), the age of the oldest by the database clock, and the
   rows the relay dead-lettered;
 * **the bus** (the scheduler's consumer group): lag per partition and summed, pending (delivered,

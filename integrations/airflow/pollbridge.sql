@@ -18,7 +18,7 @@
 --
 -- With [core] compress_serialized_dags = True Airflow leaves serialized_dag.data NULL and writes the
 -- zlib-compressed JSON to data_compressed, which SQL cannot read: the views then return no row for those
--- DAG versions. The block check_compressed counts such rows; pollbridge's doctor reports them.
+-- DAG versions. The block check reports such rows; pollbridge's doctor prints its rows.
 --
 -- Installed by a role that can read Airflow's serialized_dag table, in Airflow's database, after
 -- `airflow db migrate`; it never writes Airflow's tables. The blocks contain no '$' (they may be loaded as
@@ -67,6 +67,10 @@ DROP VIEW IF EXISTS pollbridge_airflow_edges;
 DROP VIEW IF EXISTS pollbridge_airflow_rules;
 DROP VIEW IF EXISTS pollbridge_airflow_tasks;
 
--- name: check_compressed
--- Serialized DAG versions the views cannot read ([core] compress_serialized_dags = True): 0 when all is well.
-SELECT count(*) AS compressed_dags FROM serialized_dag WHERE data IS NULL;
+-- name: check
+-- pollbridge doctor: one row per problem (none when all is well). Serialized DAG versions the views cannot
+-- read ([core] compress_serialized_dags = True leaves data NULL).
+SELECT count(*) || ' serialized DAG version(s) are compressed, which pollbridge cannot read: set '
+       || '[core] compress_serialized_dags = False (AIRFLOW__CORE__COMPRESS_SERIALIZED_DAGS=False) and run '
+       || '`airflow dags reserialize`' AS problem
+  FROM serialized_dag WHERE data IS NULL HAVING count(*) > 0;

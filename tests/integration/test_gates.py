@@ -244,9 +244,11 @@ def test_each_safety_violation_fails_its_own_criterion(engine: Engine, tables: T
         conn.execute(dl.insert().from_select([*cols, "path"], sa.select(
             *[dl.c[c] for c in cols], sa.literal("poller")).where(dl.c.instance_id == "ok-007")))
     gate = _refused(engine, tables, store, "cutover")
-    assert _failed(gate) == {"miss_rate", "no_early", "no_duplicate"}
+    # Only matched evidence counts toward min_tasks (issue 17): the duplicate took one of the 20 matched.
+    assert _failed(gate) == {"min_tasks", "miss_rate", "no_early", "no_duplicate"}
     assert gate.counts["duplicate"] == 1
     assert gate.counts["compared"] == 22  # the duplicate replaces a matched task, it does not add one
+    assert gate.counts["matched"] == 19
 
 
 def test_gate_settings_apply_without_flag_thresholds(engine: Engine, tables: TaskTable, store: FlagStore) -> None:

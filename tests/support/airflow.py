@@ -47,7 +47,7 @@ from psycopg import sql
 REPO = Path(__file__).resolve().parents[2]
 #: The Airflow DAGs folder of the acceptance test (not a Python package; pytest never collects it).
 DAGS_FOLDER = REPO / "tests" / "acceptance" / "airflow_dags"
-#: The SQL views pollbridge's Airflow integration reads (named blocks: install, uninstall, check_compressed).
+#: The SQL views pollbridge's Airflow integration reads (named blocks: install, uninstall, check).
 VIEWS_SQL = REPO / "integrations" / "airflow" / "pollbridge.sql"
 #: What the harness installs when it has to create the virtualenv itself (CI, the first time).
 AIRFLOW_REQUIREMENT = "apache-airflow[postgres]==3.3.*"
