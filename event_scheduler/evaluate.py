@@ -11,6 +11,17 @@ proportional to the instances touched, never to the task table. Then, per task:
 * failed with attempts left → a ``retry`` timer after an exponential backoff with jitter;
 * running with a timeout for its type → a ``timeout`` timer.
 
+Retry and timeout timers are armed only when pollbridge owns retries (``[legacy] retries``; never by
+default beside a foreign scheduler), and armed whatever the route: the scheduler checks the route when
+one fires, right before it writes, and writes only on the dispatching route (a flag may change between
+arming and firing; a timer armed in ``polling`` is what retries the task once the type is in ``cutover``).
+
+In a shadow phase the event path decides on the facts the events carry, not on the row's status at
+evaluation time: a task an event of the batch made ready that the legacy scheduler took a few
+milliseconds before the evaluation (a lost race) still gets its shadow decision, once per attempt
+(:func:`event_scheduler.queries.taken_statement`, one more round trip, only for the instances in a
+shadow phase whose events carry such facts).
+
 Round trips per batch on PostgreSQL: one evaluation query and, if something is ready, one dispatch
 statement, both on the caller's connection (the scheduler's loop keeps one checked out, so no pool
 pre-ping per batch) and both with a constant SQL text (instance and task ids travel as arrays), so
@@ -39,6 +50,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from bridge.core.errors import MappingError
 from bridge.core.events import new_trace_id
 from bridge.core.phases import EventRouter
 from bridge.core.settings import SchedulerSettings, TypeSettings
@@ -68,14 +80,20 @@ DEPTH_CACHE = 100_000
 class Scope:
     """The part of an instance an event can have changed: the tasks ``keys`` themselves (a task inserted,
     re-pended, failed, started, its due time or signal changed) and the tasks depending on one of
-    ``dependents_of`` (a task completed). Everything else in the instance is as it was, and a change to
-    it brings an event of its own; timers, catch-up and other events evaluate the whole instance."""
+    ``dependents_of`` (a task reached a done status: completed, failed or skipped). Everything else in the
+    instance is as it was, and a change to it brings an event of its own; timers, catch-up and other events
+    evaluate the whole instance.
+
+    ``fresh``: the keys whose own event said they were pending (inserted, re-pended, due time or signal
+    changed). With ``dependents_of`` these are the facts the events carry: in a shadow phase a task they
+    concern gets its decision even if the legacy scheduler took it before the evaluation (a lost race)."""
 
     keys: frozenset[str]
     dependents_of: frozenset[str] = frozenset()
+    fresh: frozenset[str] = frozenset()
 
     def __or__(self, other: Scope) -> Scope:
-        return Scope(self.keys | other.keys, self.dependents_of | other.dependents_of)
+        return Scope(self.keys | other.keys, self.dependents_of | other.dependents_of, self.fresh | other.fresh)
 
 
 @dataclass
@@ -96,17 +114,20 @@ def backoff_delay(settings: TypeSettings, task_id: object, attempts: int) -> flo
 
 
 def retry_timer(settings: TypeSettings, task_id: object, attempts: int, failed_at: Any,
-                workflow_type: object) -> TimerSpec:
-    """The timer that re-pends a task failed at ``failed_at`` (its ``updated_at``) after ``attempts``."""
+                workflow_type: object, instance_id: str | None = None) -> TimerSpec:
+    """The timer that re-pends a task failed at ``failed_at`` (its ``updated_at``) after ``attempts``.
+    ``instance_id`` lets the scheduler ask the router for the task's route when it fires."""
     since = as_utc(failed_at) or datetime.now(UTC)
     return (since + timedelta(seconds=backoff_delay(settings, task_id, attempts)), "retry", str(task_id),
-            (task_id, attempts, workflow_type))
+            (task_id, attempts, workflow_type, instance_id))
 
 
-def timeout_timer(settings: TypeSettings, task_id: object, running_since: Any, workflow_type: object) -> TimerSpec:
+def timeout_timer(settings: TypeSettings, task_id: object, running_since: Any, workflow_type: object,
+                  instance_id: str | None = None) -> TimerSpec:
     """The timer that fails a task still running ``settings.running_timeout`` after ``running_since``."""
     since = as_utc(running_since) or datetime.now(UTC)
-    return (since + timedelta(seconds=settings.running_timeout), "timeout", str(task_id), (task_id, workflow_type))
+    return (since + timedelta(seconds=settings.running_timeout), "timeout", str(task_id),
+            (task_id, workflow_type, instance_id))
 
 
 class TokenBucket:
@@ -157,14 +178,29 @@ def tune_sessions(engine: Engine) -> None:
         sa.event.listen(engine, "checkout", _session_settings)
 
 
+def writable(tt: TaskTable, status: str) -> bool:
+    """Whether pollbridge has a value to write for logical ``status`` (a status mapped to NULL alone has none)."""
+    try:
+        tt.statuses.write(status)
+    except MappingError:
+        return False
+    return True
+
+
 class Evaluator:
     def __init__(self, engine: Engine, tables: TaskTable, router: EventRouter, settings: SchedulerSettings,
-                 metrics: SchedulerMetrics, queries: EvaluatorQueries | None = None) -> None:
+                 metrics: SchedulerMetrics, queries: EvaluatorQueries | None = None, *,
+                 pollbridge_retries: bool = True) -> None:
+        """``pollbridge_retries`` (``[legacy] retries``): whether pollbridge re-pends failed tasks and fails
+        timed-out ones on the dispatching route; without it no retry or timeout timer is armed."""
         self.engine = engine
         self.tables = tables
         self.router = router
         self.settings = settings
         self.metrics = metrics
+        self.retries = pollbridge_retries and tables.has("attempts") and tables.has("max_attempts") \
+            and writable(tables, "pending")
+        self.timeouts = pollbridge_retries and writable(tables, "failed")
         tune_sessions(engine)
         self._single = autocommit(engine)
         self._pg = engine.dialect.name == "postgresql"
@@ -230,25 +266,51 @@ class Evaluator:
                 continue
             type_settings = self.settings.for_type(r.workflow_type)
             attempts = getattr(r, "attempts", None)
+            status = st.logical(r.status)
             if r.ready:
                 task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
                                  (attempts + 1) if attempts is not None else None, r.ready_at)
                 ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
-            elif r.status == st.pending and r.due_future and getattr(r, "due_at", None) is not None:
+            elif status == "pending" and r.due_future and getattr(r, "due_at", None) is not None:
                 due = as_utc(r.due_at)
                 if due is not None:  # at least a moment from now, even if this host's clock is ahead
                     soonest = datetime.now(UTC) + timedelta(seconds=DUE_RECHECK)
                     result.timers.append((max(due, soonest), "due", str(r.instance_id), ()))
-            elif r.status == st.failed and attempts is not None and getattr(r, "max_attempts", None) is not None \
-                    and attempts < r.max_attempts:
+            elif status == "failed" and self.retries and attempts is not None \
+                    and getattr(r, "max_attempts", None) is not None and attempts < r.max_attempts:
                 result.timers.append(retry_timer(type_settings, r.task_id, attempts, getattr(r, "updated_at", None),
-                                                 r.workflow_type))
-            elif r.status == st.running and type_settings.running_timeout > 0:
+                                                 r.workflow_type, str(r.instance_id)))
+            elif status == "running" and self.timeouts and type_settings.running_timeout > 0:
                 result.timers.append(timeout_timer(type_settings, r.task_id, getattr(r, "updated_at", None),
-                                                   r.workflow_type))
+                                                   r.workflow_type, str(r.instance_id)))
+        ready.extend((task, "shadow") for task in self._taken(conn, rows, scopes))
         if ready:
             self._act(conn, ready, trace_ids, result)
         return result
+
+    def _taken(self, conn: Connection, rows: Sequence[Any], scopes: Mapping[str, Scope | None]) -> list[ReadyTask]:
+        """The lost races of a shadow phase (see the module docstring): the tasks of the batch's instances in
+        a shadow route that the legacy scheduler took before this evaluation, made ready by the facts the
+        events carry, without a decision for their attempt yet. One query, only when there are such facts."""
+        types: dict[str, str | None] = {}
+        for r in rows:  # every known instance has a row (its live tasks, or its marker row)
+            types.setdefault(str(r.instance_id), r.workflow_type)
+        ids: list[str] = []
+        fresh: list[tuple[str, str]] = []
+        done: list[tuple[str, str]] = []
+        for instance_id, scope in scopes.items():
+            if scope is None or not (scope.fresh or scope.dependents_of) or instance_id not in types:
+                continue
+            if self.router.event_route(types[instance_id], instance_id) != "shadow":
+                continue
+            ids.append(instance_id)
+            fresh.extend((instance_id, key) for key in sorted(scope.fresh))
+            done.extend((instance_id, key) for key in sorted(scope.dependents_of))
+        if not ids:
+            return []
+        found = self._read(conn, self.queries.taken, {"ids": ids, "fresh": fresh, "done": done}).all()
+        return [ReadyTask(r.task_id, str(r.instance_id), str(r.task_key), r.workflow_type, r.attempt, r.ready_at)
+                for r in found]
 
     def _act(self, conn: Connection, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None],
              result: Evaluation) -> None:

@@ -3,7 +3,9 @@
 :meth:`EvaluatorQueries.build` builds the statements an :class:`~event_scheduler.evaluate.Evaluator` runs
 for every batch once, from the :class:`~bridge.tasktable.tables.TaskTable` and the engine's dialect; the
 statements whose text depends on per-call values (the lost-race recheck, the depth guard's move to review,
-a shadow decision) are built by its methods. The evaluator only runs them: it builds no SQL itself.
+a shadow decision) are built by its methods. The evaluator only runs them: it builds no SQL itself. The
+statements that write the task table for timers (a retry's re-pend, a running timeout) are here too
+(:func:`repend_statement`, :func:`time_out_statement`), run by the scheduler only on the dispatching route.
 
 Parameters: statements that take instance ids take them as ``ids``: an array (``= ANY``) on PostgreSQL, so
 the SQL text is one whatever the number of ids (compiled once, prepared by the driver), an expanding ``IN``
@@ -21,12 +23,22 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
 from bridge.db.driver import DriverStatement
-from bridge.db.engine import db_now
+from bridge.db.engine import db_now, millis_between
 from bridge.db.schema import decisions, dispatch_log
 from bridge.tasktable.dispatch import ReadyTask
 from bridge.tasktable.queries import type_of_row
-from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.readiness import greatest, latest_dependency_completion, ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable
+
+#: The statuses a task the legacy scheduler took is in afterwards: in a shadow phase its decision is still
+#: owed when the event that made it ready is evaluated after the take (a lost race). Skipped is not one of
+#: them: a skipped task was never dispatched (a branch not taken), so no decision is owed for it.
+TAKEN_STATUSES = ("dispatched", "running", "completed", "failed")
+
+#: How much earlier than its readiness facts a taken task may have left pending and still count as taken
+#: *because of* them: the legacy scheduler's dispatch time and a dependency's completion time may come
+#: from different hosts' clocks (a foreign scheduler's workers stamp the completion themselves).
+TAKEN_CLOCK_SKEW_MS = 1000.0
 
 
 def in_ids(column: sa.ColumnElement[Any], pg: bool) -> sa.ColumnElement[bool]:
@@ -181,14 +193,175 @@ def review_statement(tt: TaskTable, task_id: Any) -> sa.Update:
 
 def decision_statement(dialect_name: str, task: ReadyTask, trace_id: str | None) -> sa.Insert:
     """A shadow decision for ``task``, once per (task, attempt): a conflict on the unique key inserts
-    nothing (rowcount 0)."""
+    nothing (rowcount 0). Without an attempt (a mapping without an attempts column) the unique key cannot
+    see a conflict (NULLs are distinct), so the insert then carries its own NOT EXISTS: a task left pending
+    by the legacy scheduler is evaluated again and again, and must still be decided once."""
     values: dict[str, Any] = {
         "task_id": str(task.task_id), "instance_id": task.instance_id, "workflow_type": task.workflow_type,
         "task_key": task.task_key, "attempt": task.attempt, "ready_at": task.ready_at,
         "decided_at": db_now(dialect_name), "trace_id": trace_id,
     }
     insert_fn = postgresql.insert if dialect_name == "postgresql" else sqlite.insert
-    return insert_fn(decisions).values(values).on_conflict_do_nothing()
+    if task.attempt is not None:
+        return insert_fn(decisions).values(values).on_conflict_do_nothing()
+    names = list(values)
+    literals = [v if isinstance(v, sa.ColumnElement) else sa.literal(v, decisions.c[k].type)
+                for k, v in values.items()]
+    already = sa.exists().where(decisions.c.task_id == str(task.task_id), decisions.c.attempt.is_(None))
+    return insert_fn(decisions).from_select(names, sa.select(*literals).where(~already))
+
+
+def taken_attempt(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
+    """The attempt a taken task row ``t`` (see :data:`TAKEN_STATUSES`) is in, as the dispatch that took it
+    would have logged it (pending attempts + 1).
+
+    ``attempt_moves = "claim"`` (the reference: a worker's claim increments the counter): a task still
+    dispatched is at attempts + 1, one that a worker claimed (running, completed, failed) at attempts.
+    ``"dispatch"`` (Airflow's try_number): the dispatch itself incremented it, so attempts. NULL without
+    an attempts column."""
+    if not tt.has("attempts"):
+        return sa.null()
+    attempts = tt.col("attempts", t)
+    if tt.mapping.attempt_moves == "dispatch":
+        return attempts
+    return sa.case((tt.status_in("dispatched", table=t), attempts + 1), else_=attempts)
+
+
+def _json_dependency_keys(tt: TaskTable, t: sa.FromClause) -> Any:
+    column = tt.col("depends_on", t)
+    fn = (sa.func.json_array_elements_text(sa.cast(column, sa.JSON)) if tt.dialect_name == "postgresql"
+          else sa.func.json_each(column))
+    return fn.table_valued("value").alias("pb_taken_key")
+
+
+def depends_on_any(tt: TaskTable, t: sa.FromClause, pairs: sa.BindParameter[Any]) -> sa.ColumnElement[bool]:
+    """Task row ``t`` depends on one of the tasks named in ``pairs`` (an expanding parameter of
+    ``(instance id, task key)`` tuples, as text), in any dependency mode."""
+    if tt.mapping.dependency_mode == "json":
+        d = _json_dependency_keys(tt, t)
+        return sa.exists(sa.select(sa.literal(1)).select_from(d).where(
+            sa.tuple_(tt.key_text("instance_id", t), sa.cast(d.c.value, sa.String)).in_(pairs)))
+    edges = tt.mapping.edges
+    assert tt.edges is not None and edges is not None
+    e = tt.edges.alias("pb_taken_edge")
+    dep = tt.tasks.alias("pb_taken_dep")
+    named = sa.tuple_(tt.key_text("instance_id", dep), tt.key_text("task_key", dep)).in_(pairs)
+    if tt.mapping.dependency_mode == "keys":
+        assert edges.task_key and edges.depends_on_key
+        key_column = tt.mapping.dependency_key_column
+        return sa.exists(
+            sa.select(sa.literal(1))
+            .select_from(e.join(dep, sa.and_(tt.key_equal("instance_id", dep, t),
+                                             dep.c[key_column] == e.c[edges.depends_on_key])))
+            .where(e.c[edges.task_key] == t.c[key_column], *(e.c[m] == t.c[m] for m in edges.match), named))
+    return sa.exists(
+        sa.select(sa.literal(1))
+        .select_from(e.join(dep, tt.col("id", dep) == e.c[edges.depends_on_id]))
+        .where(e.c[edges.task_id] == tt.col("id", t), named))
+
+
+def taken_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
+    """Shadow phases: the lost races. Tasks the legacy scheduler took (a status of :data:`TAKEN_STATUSES`)
+    before the event path evaluated the event that made them ready, and whose shadow decision is still owed.
+
+    The event path decides on the facts the events carry, not on the row's status at evaluation time: a
+    task counts when an event of this batch concerns it (parameter ``fresh``: ``(instance id, task key)``
+    of tasks whose own event said they were pending: inserted, re-pended, due time or signal changed;
+    parameter ``done``: tasks that reached a done status, whose dependents' readiness may have become
+    true), its readiness holds as if it were still pending (the one readiness definition, applied to the
+    row with its status read as pending: dependencies by its rule, due time, signal; never early), it left
+    pending no earlier than those facts became true (its dispatch time, else its ``updated_at``; an old
+    dispatch by an earlier readiness is not this event's), and no decision was recorded for its attempt
+    (:func:`taken_attempt`). Parameter ``ids``: the instances (as for the evaluation).
+
+    Rows: ``task_id``, ``instance_id``, ``task_key``, ``workflow_type``, ``attempt``, ``ready_at`` (the
+    latest of the facts; NULL when none is recorded: a root task's readiness time is its insert, which a
+    taken row no longer shows)."""
+    t = tt.tasks
+    fresh: sa.BindParameter[Any] = sa.bindparam("fresh", expanding=True)
+    done: sa.BindParameter[Any] = sa.bindparam("done", expanding=True)
+    status_column = tt.mapping.columns.status
+    pending = tt.statuses.of("pending")[0]
+    as_pending = (sa.null() if pending is None else sa.literal(pending)).label(status_column)
+    left_column = "dispatched_at" if tt.has("dispatched_at") else "updated_at" if tt.has("updated_at") else None
+    # The row with its status read as pending, so ready_predicate (the one readiness definition) judges
+    # the rest of its readiness; the attempt is computed from its real status.
+    taken = (
+        sa.select(*(as_pending if c.name == status_column else c for c in t.c),
+                  taken_attempt(tt, t).label("pb_attempt"))
+        .where(in_ids(tt.col("instance_id"), pg), tt.status_in(*TAKEN_STATUSES),
+               sa.or_(sa.tuple_(tt.key_text("instance_id"), tt.key_text("task_key")).in_(fresh),
+                      depends_on_any(tt, t, done)))
+        .subquery("pb_taken")
+    )
+    facts_parts: list[sa.ColumnElement[Any]] = [latest_dependency_completion(tt, taken)]
+    for logical in ("due_at", "signal_received_at"):
+        if tt.has(logical):
+            facts_parts.append(tt.col(logical, taken))
+    facts = greatest(tt.dialect_name, facts_parts)
+    attempt = taken.c.pb_attempt
+    conditions: list[sa.ColumnElement[bool]] = [ready_predicate(tt, taken)]
+    if left_column is not None:
+        left = tt.col(left_column, taken)
+        conditions.append(left.is_not(None))
+        conditions.append(sa.or_(facts.is_(None),
+                                 millis_between(tt.dialect_name, facts, left) >= -TAKEN_CLOCK_SKEW_MS))
+    decided = sa.exists().where(
+        decisions.c.task_id == sa.cast(tt.col("id", taken), sa.String),
+        sa.or_(decisions.c.attempt == attempt, sa.and_(attempt.is_(None), decisions.c.attempt.is_(None))))
+    conditions.append(~decided)
+    return (
+        sa.select(tt.col("id", taken).label("task_id"), tt.key_text("instance_id", taken).label("instance_id"),
+                  tt.key_text("task_key", taken).label("task_key"),
+                  type_of_row(tt, taken).label("workflow_type"), attempt.label("attempt"),
+                  facts.label("ready_at"))
+        .where(*conditions)
+        .order_by(tt.col("id", taken))
+    )
+
+
+def repend_statement(tt: TaskTable, task_id: Any, attempts: Any) -> sa.Update:
+    """A retry: the failed task back to pending, a compare-and-set on (failed, the attempt the timer was
+    armed for, attempts left), with ``updated_at`` stamped by the database where mapped. Run only on the
+    dispatching route, and only when pollbridge owns retries."""
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("pending")}
+    if tt.has("updated_at"):
+        values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
+    return tt.tasks.update().where(tt.col("id") == task_id, tt.status_in("failed"), tt.col("attempts") == attempts,
+                                   tt.col("attempts") < tt.col("max_attempts")).values(values)
+
+
+def retry_owed_statement(tt: TaskTable, task_id: Any) -> sa.Select[Any]:
+    """``(attempts, updated_at)`` of ``task_id`` (``updated_at`` NULL where not mapped) if it is failed with
+    attempts left: no row if it is not (re-pended, or out of attempts)."""
+    return sa.select(tt.col("attempts"), tt.col("updated_at") if tt.has("updated_at") else sa.null()).where(
+        tt.col("id") == task_id, tt.status_in("failed"), tt.col("attempts") < tt.col("max_attempts"))
+
+
+def time_out_statement(tt: TaskTable, task_id: Any, cutoff: Any) -> sa.Update:
+    """A running timeout: the task running since before ``cutoff`` (by ``updated_at``, where mapped) to
+    failed, with its completion and update times stamped. Run only on the dispatching route, and only
+    when pollbridge owns retries and timeouts."""
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("failed")}
+    for logical in ("completed_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    conditions = [tt.col("id") == task_id, tt.status_in("running")]
+    if tt.has("updated_at"):
+        conditions.append(tt.col("updated_at") <= cutoff)
+    return tt.tasks.update().where(*conditions).values(values)
+
+
+def running_since_statement(tt: TaskTable, task_id: Any) -> sa.Select[Any]:
+    """``updated_at`` of ``task_id`` (NULL where not mapped) if it is running: no row if it is not."""
+    return sa.select(tt.col("updated_at") if tt.has("updated_at") else sa.null()).where(
+        tt.col("id") == task_id, tt.status_in("running"))
+
+
+def instance_of_statement(tt: TaskTable, task_id: Any) -> sa.Select[Any]:
+    """The instance id (as text) of ``task_id``: a timer armed without it still asks the router."""
+    return sa.select(tt.key_text("instance_id")).where(tt.col("id") == task_id)
 
 
 @dataclass(frozen=True)
@@ -206,6 +379,8 @@ class EvaluatorQueries:
     in_flight: sa.Select[Any]
     #: :func:`depth_statement`.
     depth: sa.Select[Any]
+    #: :func:`taken_statement` (shadow phases only).
+    taken: sa.Select[Any]
 
     @classmethod
     def build(cls, tt: TaskTable, dialect: Dialect) -> EvaluatorQueries:
@@ -213,7 +388,7 @@ class EvaluatorQueries:
         evaluation = evaluation_statement(tt, pg)
         return cls(tables=tt, dialect_name=dialect.name, evaluation=evaluation,
                    evaluation_run=DriverStatement(evaluation, dialect), in_flight=in_flight_statement(tt),
-                   depth=depth_statement(pg))
+                   depth=depth_statement(pg), taken=taken_statement(tt, pg))
 
     @property
     def pg(self) -> bool:

@@ -20,6 +20,13 @@ in-memory state is locked; the timer queue is thread-safe), and a catch-up that 
 until it completed or the partitions were lost, so a cold start, a lost bus or a long outage never
 strands a ready task. The loop keeps one database connection checked out (no pool pre-ping per
 batch); a failure drops it and the next cycle takes a fresh, pinged one from the pool.
+
+Nothing is written to the task table in ``polling`` and ``dual_write``: the only writes of the event path
+besides a dispatch are a retry's re-pend and a running timeout, and a timer fired for them asks the router
+for the task's route right before it writes. Off the dispatching route it writes nothing and looks again
+after :data:`ROUTE_RECHECK` while the task still waits (the legacy scheduler usually handles it first; if
+the type is promoted meanwhile, the retry still happens). Without ``pollbridge_retries`` (``[legacy]
+retries``; the default beside a foreign scheduler) neither is ever done: the legacy scheduler owns them.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
@@ -49,6 +55,7 @@ from bridge.core.events import (
     new_event_id,
     new_trace_id,
 )
+from bridge.core.mapping import DONE_STATUSES
 from bridge.core.phases import EventRouter
 from bridge.core.settings import SchedulerSettings
 from bridge.db.engine import db_now
@@ -57,6 +64,13 @@ from bridge.tasktable.tables import TaskTable
 from event_scheduler.evaluate import Evaluation, Evaluator, Scope, retry_timer, timeout_timer
 from event_scheduler.leases import lease_store
 from event_scheduler.metrics import SchedulerMetrics
+from event_scheduler.queries import (
+    instance_of_statement,
+    repend_statement,
+    retry_owed_statement,
+    running_since_statement,
+    time_out_statement,
+)
 from event_scheduler.timers import Timer, TimerQueue
 
 log = logging.getLogger(__name__)
@@ -66,6 +80,9 @@ SCOPED_CHANGES = ("insert", "status", "due", "signal")  # the task-row changes t
 CATCH_UP_CHUNK = 100  # instances per catch-up evaluation
 DRAIN_SECONDS = 1.0  # at most this long in one poll_once, so the loop renews its leases well within their ttl
 CATCH_UP_PAUSE = 0.002  # seconds the catch-up thread yields between chunks, so the loop keeps its pace
+#: Seconds before a retry or timeout timer that fired off the dispatching route looks again (the router's
+#: default refresh interval is 1 s: a promotion is seen within about this long).
+ROUTE_RECHECK = 2.0
 
 
 class EventScheduler:
@@ -80,15 +97,21 @@ class EventScheduler:
         visibility_timeout: float = 30.0,
         registry: CollectorRegistry | None = None,
         holder: str | None = None,
+        pollbridge_retries: bool = True,
     ) -> None:
+        """``pollbridge_retries`` (``settings.legacy.pollbridge_retries``): whether pollbridge re-pends failed
+        tasks and fails timed-out ones, on the dispatching route only; ``False`` leaves both to the legacy
+        scheduler in every phase."""
         self.engine = engine
         self.tables = tables
         self.bus = bus
         self.settings = settings
+        self.router = router
         self.visibility_timeout = visibility_timeout
         self.holder = holder or holder_name()
         self.metrics = SchedulerMetrics(registry if registry is not None else CollectorRegistry())
-        self.evaluator = Evaluator(engine, tables, router, settings, self.metrics)
+        self.evaluator = Evaluator(engine, tables, router, settings, self.metrics,
+                                   pollbridge_retries=pollbridge_retries)
         self.leases = lease_store(engine, bus, self.holder, settings.lease_ttl)
         self.timers = TimerQueue(self._fire)
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -175,8 +198,12 @@ class EventScheduler:
         key = event.data.get("task_key")
         if not isinstance(key, str) or not key:
             return None
-        completed = event.data.get("new_status") == self.tables.statuses.completed
-        return Scope(frozenset((key,)), frozenset((key,)) if completed else frozenset())
+        # A done dependency (completed, or failed or skipped for the trigger rules that count those) can
+        # make its dependents ready; a task whose own change left it pending can be ready itself.
+        status = self.tables.statuses.logical(event.data.get("new_status"))
+        keys = frozenset((key,))
+        return Scope(keys, keys if status in DONE_STATUSES else frozenset(),
+                     keys if status == "pending" else frozenset())
 
     def _may_matter(self, event: CloudEvent) -> bool:
         """Whether an event can change what the scheduler should do for its instance.
@@ -186,12 +213,12 @@ class EventScheduler:
         type has a running timeout. Skipping the rest halves the work of a busy instance."""
         if event.type != TASK_STATUS_CHANGED or event.data.get("change") != "status":
             return True
-        new_status = event.data.get("new_status")
-        statuses = self.tables.statuses
-        if new_status == statuses.dispatched:
+        status = self.tables.statuses.logical(event.data.get("new_status"))
+        if status == "dispatched":
             return False
-        if new_status == statuses.running:
-            return self.settings.for_type(event.data.get("workflow_type")).running_timeout > 0
+        if status == "running":
+            type_settings = self.settings.for_type(event.data.get("workflow_type"))
+            return self.evaluator.timeouts and type_settings.running_timeout > 0
         return True
 
     def _apply(self, evaluation: Evaluation, by_instance: dict[str, list[Delivery]]) -> None:
@@ -227,57 +254,75 @@ class EventScheduler:
             self._time_out(*timer.data)
         self.metrics.timers_pending.set(len(self.timers))
 
-    def _repend(self, task_id: object, attempts: object, workflow_type: object) -> None:
+    def _dispatching(self, conn: Connection, task_id: object, workflow_type: object,
+                     instance_id: object) -> bool | None:
+        """Whether the task is on the dispatching route now, asked right before a timer's write (a flag
+        may have changed since the timer was armed); ``None`` if the task is gone. A timer armed without
+        the instance id (an older one) reads it from the row."""
+        if instance_id is None:
+            instance_id = conn.execute(instance_of_statement(self.tables, task_id)).scalar()
+            if instance_id is None:
+                return None
+        type_name = None if workflow_type is None else str(workflow_type)
+        return self.router.event_route(type_name, str(instance_id)) == "dispatch"
+
+    def _repend(self, task_id: object, attempts: object, workflow_type: object, instance_id: object = None) -> None:
+        if not self.evaluator.retries:  # the legacy scheduler owns retries
+            return
         tt = self.tables
-        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.pending}
-        if tt.has("updated_at"):
-            values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
-        stmt = tt.tasks.update().where(tt.col("id") == task_id, tt.col("status") == tt.statuses.failed,
-                                       tt.col("attempts") == attempts,
-                                       tt.col("attempts") < tt.col("max_attempts")).values(values)
         with self.engine.begin() as conn:
-            changed = conn.execute(stmt).rowcount
-            # The same for retries as for timeouts: this timer was for an earlier attempt (a scheduler
-            # that owned the partition before kept it) and kept the current attempt's from being armed.
-            again = None if changed or not tt.has("updated_at") else conn.execute(
-                sa.select(tt.col("attempts"), tt.col("updated_at")).where(
-                    tt.col("id") == task_id, tt.col("status") == tt.statuses.failed,
-                    tt.col("attempts") != attempts, tt.col("attempts") < tt.col("max_attempts"))).first()
+            dispatching = self._dispatching(conn, task_id, workflow_type, instance_id)
+            if dispatching is None:
+                return
+            changed = conn.execute(repend_statement(tt, task_id, attempts)).rowcount if dispatching else 0
+            owed = None if changed else conn.execute(retry_owed_statement(tt, task_id)).first()
         if changed:  # counted after the commit, so the metric never runs ahead of the database
             self.metrics.retries.labels(workflow_type=str(workflow_type)).inc()
-        elif again is not None:
-            current, failed_at = again
-            type_settings = self.settings.for_type(str(workflow_type) if workflow_type is not None else None)
-            self.timers.schedule(*retry_timer(type_settings, task_id, current, failed_at, workflow_type))
+            return
+        if owed is None:  # re-pended by someone else, or out of attempts
+            return
+        current, failed_at = owed
+        type_settings = self.settings.for_type(str(workflow_type) if workflow_type is not None else None)
+        when, kind, key, data = retry_timer(type_settings, task_id, current, failed_at, workflow_type,
+                                            None if instance_id is None else str(instance_id))
+        if not dispatching:
+            # Off the dispatching route nothing is written; the task still waits for a retry, so look again
+            # (the legacy scheduler re-pends it meanwhile, or the type is promoted and the retry is ours).
+            self.timers.schedule(max(when, datetime.now(UTC) + timedelta(seconds=ROUTE_RECHECK)), kind, key, data)
+        elif current != attempts:
+            # This timer was for an earlier attempt (a scheduler that owned the partition before kept it)
+            # and kept the current attempt's from being armed: arm it now.
+            self.timers.schedule(when, kind, key, data)
 
-    def _time_out(self, task_id: object, workflow_type: object) -> None:
+    def _time_out(self, task_id: object, workflow_type: object, instance_id: object = None) -> None:
+        if not self.evaluator.timeouts:  # the legacy scheduler owns timeouts
+            return
         tt = self.tables
         type_settings = self.settings.for_type(str(workflow_type) if workflow_type is not None else None)
         timeout = type_settings.running_timeout
         cutoff = datetime.now(UTC) - timedelta(seconds=timeout)
         if tt.dialect_name == "sqlite":
             cutoff = cutoff.replace(tzinfo=None)
-        now = db_now(tt.dialect_name)
-        values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.failed}
-        for logical in ("completed_at", "updated_at"):
-            if tt.has(logical):
-                values[getattr(tt.mapping.columns, logical)] = now
-        conditions = [tt.col("id") == task_id, tt.col("status") == tt.statuses.running]
-        if tt.has("updated_at"):
-            conditions.append(tt.col("updated_at") <= cutoff)
         with self.engine.begin() as conn:
-            changed = conn.execute(tt.tasks.update().where(*conditions).values(values)).rowcount
+            dispatching = self._dispatching(conn, task_id, workflow_type, instance_id)
+            if dispatching is None:
+                return
+            changed = conn.execute(time_out_statement(tt, task_id, cutoff)).rowcount if dispatching else 0
             # One timer per task, the earliest kept: an attempt that started running before the previous
             # attempt's timer fired has no timer of its own. Re-arm for it, or a worker that dies in
             # that attempt strands the task in running.
-            since = None if changed or not tt.has("updated_at") else conn.execute(
-                sa.select(tt.col("updated_at")).where(tt.col("id") == task_id,
-                                                      tt.col("status") == tt.statuses.running)).scalar()
+            running = None if changed else conn.execute(running_since_statement(tt, task_id)).first()
         if changed:
             self.metrics.timeouts.labels(workflow_type=str(workflow_type)).inc()
             log.info("task %s ran longer than %.0f s: failed", task_id, timeout)
-        elif since is not None:
-            self.timers.schedule(*timeout_timer(type_settings, task_id, since, workflow_type))
+            return
+        if running is None or (dispatching and not tt.has("updated_at")):
+            return
+        when, kind, key, data = timeout_timer(type_settings, task_id, running[0], workflow_type,
+                                              None if instance_id is None else str(instance_id))
+        if not dispatching:  # nothing written off the dispatching route: look again while it still runs
+            when = max(when, datetime.now(UTC) + timedelta(seconds=ROUTE_RECHECK))
+        self.timers.schedule(when, kind, key, data)
 
     # --- catch-up ------------------------------------------------------------------------------------
     def catch_up(self, partitions: set[int], stop: threading.Event | None = None) -> int:
@@ -288,18 +333,20 @@ class EventScheduler:
         if not partitions:
             return 0
         tt = self.tables
-        st = tt.statuses
         t = tt.tasks
         # Only instances with something to do now or a timer to rebuild: a ready task, a future due
         # time, a failed task with attempts left, a running task when a type has a timeout. Pending
         # tasks waiting on dependencies get their event when a dependency completes.
+        # Failed and running tasks only when pollbridge owns retries and timeouts (their timers are armed
+        # whatever the route: they write only on the dispatching route, see _repend and _time_out).
         wanted = [ready_predicate(tt, t)]
         if tt.has("due_at"):
-            wanted.append(sa.and_(tt.col("status") == st.pending, tt.col("due_at") > db_now(tt.dialect_name)))
-        if tt.has("attempts") and tt.has("max_attempts"):
-            wanted.append(sa.and_(tt.col("status") == st.failed, tt.col("attempts") < tt.col("max_attempts")))
-        if any(ts.running_timeout > 0 for ts in (self.settings.defaults, *(s for _, s in self.settings.types))):
-            wanted.append(tt.col("status") == st.running)
+            wanted.append(sa.and_(tt.status_in("pending"), tt.col("due_at") > db_now(tt.dialect_name)))
+        if self.evaluator.retries:
+            wanted.append(sa.and_(tt.status_in("failed"), tt.col("attempts") < tt.col("max_attempts")))
+        if self.evaluator.timeouts and any(
+                ts.running_timeout > 0 for ts in (self.settings.defaults, *(s for _, s in self.settings.types))):
+            wanted.append(tt.status_in("running"))
         q = sa.select(tt.col("instance_id")).distinct().where(sa.or_(*wanted))
         started = time.monotonic()
         with self.evaluator.connect() as conn:

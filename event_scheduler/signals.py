@@ -82,14 +82,14 @@ def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, pay
             expected = " or ".join(repr(k) for k in ANSWERED_BY[str(awaits)])
             raise SignalError(f"task {task_id} awaits {awaits!r}: a {kind!r} signal does not answer it "
                               f"(send {expected})")
-        if status != st.pending:
+        if st.logical(status) != "pending":
             raise SignalError(f"task {task_id} is {status!r}, not pending: a signal cannot change it")
         now = db_now(tt.dialect_name)
         values: dict[str, Any] = {cols.signal_received_at or "": now}
         new_status = status
         if kind == "rejection":
-            new_status = st.failed
-            values[cols.status] = st.failed
+            new_status = st.write("failed")
+            values[cols.status] = new_status
             if cols.completed_at:
                 values[cols.completed_at] = now
             if cols.attempts and cols.max_attempts:
@@ -97,7 +97,7 @@ def record_signal(engine: Engine, tt: TaskTable, task_id: str, kind: str, *, pay
         if cols.updated_at:
             values[cols.updated_at] = now
         changed = conn.execute(tt.tasks.update().where(
-            tt.col("id") == key, tt.col("status") == st.pending, tt.col("signal_received_at").is_(None))
+            tt.col("id") == key, tt.status_in("pending"), tt.col("signal_received_at").is_(None))
             .values(values)).rowcount
         if changed != 1:
             raise SignalError(f"task {task_id} changed while the signal was being recorded; try again")

@@ -116,8 +116,9 @@ class Components:
     def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
                   registry: CollectorRegistry | None = None) -> EventScheduler:
         s = self.settings
+        # Beside a foreign scheduler (by default) its retries and timeouts stay its own: pollbridge writes neither.
         return EventScheduler(engine, tables, bus, s.scheduler, router, visibility_timeout=s.bus.visibility_timeout,
-                              registry=registry)
+                              registry=registry, pollbridge_retries=s.legacy.pollbridge_retries)
 
     def poller(self, engine: Engine, tables: TaskTable, router: FlagRouter | None, *,
                registry: CollectorRegistry | None = None) -> LegacyPoller:
