@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Engine
 
 from bridge.bus.base import EventBus
-from bridge.capture.triggers import install_capture, remove_capture
+from bridge.capture.triggers import capture_target, install_capture, remove_capture
 from bridge.core.errors import first_line
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db import migrate
-from bridge.db.engine import check_connection
+from bridge.db.engine import check_connection, read_only
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable.tables import reflect_tables
 
@@ -43,13 +43,18 @@ def init(
     """Apply the migrations; with a ``mapping``, also (re)install the capture triggers on its task table.
 
     The mapping is checked against the database before anything is migrated, so a mapping that
-    names a missing table or column changes nothing (only the demo tables, when asked for, exist)."""
+    names a missing table or column, or a view as the capture target, changes nothing (only the demo tables,
+    when asked for, exist)."""
     check_connection(engine)
     created: list[str] = []
     if demo_schema:
         with engine.begin() as conn:
             created = create_demo_schema(conn)
     tables = reflect_tables(engine, mapping) if mapping is not None else None
+    if tables is not None:
+        # A view cannot carry the capture triggers: refused here, before anything of pollbridge is created.
+        with read_only(engine).connect() as conn:
+            capture_target(conn, tables)
     before = migrate.current_revision(engine)
     if before != migrate.head_revision():
         migrate.upgrade(engine)

@@ -33,9 +33,15 @@ def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
     else:
         build = sa.func.json_object
         time = sa.func.strftime("%Y-%m-%dT%H:%M:%fZ", o.created_at)
-    data = build("task_id", o.task_id, "instance_id", o.instance_id, "workflow_type", o.workflow_type,
-                 "task_key", o.task_key, "old_status", o.old_status, "new_status", o.new_status,
-                 "change", o.change, "version", o.id)
+    fields = ("task_id", o.task_id, "instance_id", o.instance_id, "workflow_type", o.workflow_type,
+              "task_key", o.task_key, "old_status", o.old_status, "new_status", o.new_status,
+              "change", o.change, "version", o.id)
+    # ``attempt`` only when the row has one (row_to_event leaves it out otherwise).
+    data: sa.ColumnElement[Any]
+    if dialect_name == "postgresql":
+        data = sa.case((o.attempt.is_(None), build(*fields)), else_=build(*fields, "attempt", o.attempt))
+    else:  # a JSON merge patch drops a member whose value is null
+        data = sa.func.json_patch(build(*fields), build("attempt", o.attempt))
     envelope = build("specversion", SPECVERSION, "id", o.event_id, "source", SOURCE, "type",
                      sa.case((o.change == "signal", TASK_SIGNAL_RECEIVED), else_=TASK_STATUS_CHANGED),
                      "subject", o.task_id, "time", time, "datacontenttype", "application/json",

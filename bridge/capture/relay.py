@@ -7,8 +7,10 @@ above a high-water id, so a row whose transaction committed after larger ids wer
 still found on the next cycle. A crash between publish and commit republishes the batch: the
 duplicates carry the same event id and consumers dedupe on it.
 
-A malformed row (missing ids, a status the mapping does not know) is moved to
-``pollbridge_outbox_dead`` with the reason and the relay carries on.
+A malformed row (missing ids, an unknown change, a stored status value the mapping does not know at
+all) is moved to ``pollbridge_outbox_dead`` with the reason and the relay carries on. A NULL status and a
+value the mapping declares (a logical status, ``skipped`` or a pass-through ``other`` value) are published:
+an event only says which instance to look at, and the scheduler reads the row through the mapping.
 
 Bus loss: every ``epoch_check_interval`` the relay compares the bus epoch with the one it stored;
 when it changed (Redis flushed or restarted without persistence) it marks every row published within
@@ -43,7 +45,7 @@ from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-
 from bridge.capture.triggers import NOTIFY_CHANNEL
 from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
-from bridge.core.events import CloudEvent, EventFormatError, change_event_type, encoded_event
+from bridge.core.events import TASK_CHANGES, CloudEvent, EventFormatError, change_event_type, encoded_event
 from bridge.core.idle import idle_poll
 from bridge.core.mapping import StatusValues
 from bridge.core.settings import RelaySettings, WakeMode
@@ -55,14 +57,14 @@ from bridge.db.schema import relay_state
 
 log = logging.getLogger(__name__)
 
-CHANGES = ("insert", "status", "due", "signal")
+CHANGES = TASK_CHANGES
 #: How often the embedded relay (SQLite, no NOTIFY) probes an idle outbox.
 EMBEDDED_IDLE_PROBE = 0.02
 
 
 def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
     """Build the CloudEvent for an outbox row; :class:`EventFormatError` says why a row is unusable."""
-    for column in ("task_id", "instance_id", "task_key", "new_status"):
+    for column in ("task_id", "instance_id", "task_key"):
         if getattr(row, column) in (None, ""):
             raise EventFormatError(f"outbox row {row.id}: {column} is empty")
     if row.change not in CHANGES:
@@ -70,10 +72,24 @@ def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
     if statuses is not None:
         for column in ("old_status", "new_status"):
             value = getattr(row, column)
-            if value is not None and statuses.logical(value) is None:
+            # NULL is published whatever the mapping says of it: the event only names the instance to look at.
+            if value is not None and not statuses.known(value):
                 raise EventFormatError(f"outbox row {row.id}: unknown {column} {value!r}; the mapping's status "
-                                       "values are " + ", ".join(repr(getattr(statuses, n)) for n in statuses.names()))
+                                       f"values are {describe_statuses(statuses)}")
     created = as_utc(row.created_at) or datetime.now(UTC)
+    data: dict[str, Any] = {
+        "task_id": row.task_id,
+        "instance_id": row.instance_id,
+        "workflow_type": row.workflow_type,
+        "task_key": row.task_key,
+        "old_status": row.old_status,
+        "new_status": row.new_status,
+        "change": row.change,
+        "version": row.id,
+    }
+    attempt = getattr(row, "attempt", None)
+    if attempt is not None:
+        data["attempt"] = attempt
     return CloudEvent(
         id=row.event_id,
         type=change_event_type(row.change),
@@ -82,17 +98,18 @@ def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
         time=created,
         traceid=row.trace_id,
         depth=0,
-        data={
-            "task_id": row.task_id,
-            "instance_id": row.instance_id,
-            "workflow_type": row.workflow_type,
-            "task_key": row.task_key,
-            "old_status": row.old_status,
-            "new_status": row.new_status,
-            "change": row.change,
-            "version": row.id,
-        },
+        data=data,
     )
+
+
+def describe_statuses(statuses: StatusValues) -> str:
+    """Every stored value the mapping knows, by logical status (for a dead letter's reason)."""
+    parts = []
+    for name in (*statuses.names(), "other"):
+        values = statuses.of(name)
+        if values:
+            parts.append(f"{name} = " + ", ".join("NULL" if v is None else repr(v) for v in values))
+    return "; ".join(parts)
 
 
 class Relay:
@@ -150,7 +167,7 @@ class Relay:
             valid = self._valid_statuses
             for row in rows:
                 if (row.task_id and row.instance_id and row.task_key and row.change in CHANGES
-                        and (valid is None or (row.new_status in valid
+                        and (valid is None or ((row.new_status is None or row.new_status in valid)
                                                and (row.old_status is None or row.old_status in valid)))):
                     events.append(encoded_event(row.event_id, row.instance_id, row.task_id, row.payload))
                     good.append(row)

@@ -1,11 +1,33 @@
 """Change-data capture: triggers on the existing task table that write the outbox in the same transaction.
 
-Generated from the mapping. One outbox row per *relevant* change: an insert, a status change, a
-due-time change or a signal arrival (the ``WHEN`` clause keeps a no-op update, or an update of an
-unmapped column, from even calling the trigger body). The row carries the task id, instance id,
-workflow type, task key, old and new status, a fresh event id and trace id and the database clock.
-The outbox id is the per-task version: changes to one task row are serialised by its row lock, so
-a later change of the same task always gets a larger id.
+Generated from the mapping. One outbox row per *relevant* change: an insert, a status change, a due-time
+change, a signal arrival, or a new physical row id (``identity``: a scheduler that gives a retried task a
+new primary key by an UPDATE). The row carries the task id, instance id and task key (a composite key as
+its text form, the parts joined with ``/``: :meth:`bridge.tasktable.tables.TaskTable.key_text`), the
+workflow type, old and new status (NULL included), the attempt (the mapped ``attempts`` column of the new
+row), a fresh event id and trace id and the database clock. The outbox id is the per-task version:
+changes to one task row are serialised by its row lock, so a later change of the same task always gets a
+larger id.
+
+**Nothing the scheduler does may trip over capture.**
+
+* The update trigger has no ``WHEN`` clause and no column list: PostgreSQL refuses ``ALTER TABLE …
+  ALTER COLUMN … TYPE`` on a column either names ("cannot alter type of a column used in a trigger
+  definition"), and schedulers' own migrations retype their columns. The trigger body compares the
+  watched columns (as text on PostgreSQL, so any column type compares without an operator looked up on a
+  search path) and returns without writing when none changed.
+* On PostgreSQL the function is ``SECURITY DEFINER``, owned by the role that ran ``pollbridge init``: a
+  scheduler whose role has rights on its own table only still writes it. Its ``search_path`` is pinned
+  (``pg_catalog``, the schema of pollbridge's tables, ``pg_temp`` last) and every relation it names is
+  schema-qualified, so the writer's session cannot redirect what it touches. ``EXECUTE`` is revoked from
+  ``PUBLIC``: a trigger function is invoked by its trigger, and PostgreSQL checks no ``EXECUTE`` right
+  when a trigger fires.
+* A view cannot carry row triggers: a view as ``mapping.table`` is refused (by ``init`` before anything is
+  created, and by ``doctor``) naming its base table; reads may go through the view (``mapping.read_table``)
+  while capture sits on the base table.
+* :func:`capture_status` says whether the installed capture is the one the current mapping and settings
+  generate (a fingerprint of the generated SQL in the function's comment on PostgreSQL, the stored trigger
+  text on SQLite), so ``doctor`` reports an outdated capture with the command that fixes it.
 
 Wake-up modes (PostgreSQL; SQLite has no NOTIFY and always probes):
 
@@ -18,15 +40,33 @@ Wake-up modes (PostgreSQL; SQLite has no NOTIFY and always probes):
 
 from __future__ import annotations
 
+import hashlib
+import re
+import sqlite3
+from dataclasses import dataclass
+from typing import Any
+
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import NoSuchTableError
 
+from bridge.core.errors import MappingMismatch
 from bridge.core.settings import WAKE_MODES, WakeMode
-from bridge.db.sqlblocks import render
+from bridge.db.sqlblocks import render, sql_literal
 from bridge.tasktable.tables import TaskTable
 
 NOTIFY_CHANNEL = "pollbridge_outbox"
 TRIGGER_NAMES = ("pollbridge_capture_insert", "pollbridge_capture_update")
+FUNCTION_NAME = "pollbridge_capture"
+#: The columns the update trigger compares, in the order their change kinds take precedence.
+WATCHED = (("status", "status"), ("due", "due_at"), ("signal", "signal_received_at"), ("signal", "awaits_signal"),
+           ("identity", "id"))
+#: What the function's comment starts with; the rest is ``sha256:<hex> wake:<mode> relay_partitions:<n>``.
+COMMENT_PREFIX = "pollbridge capture"
+_COMMENT = re.compile(r"^pollbridge capture sha256:([0-9a-f]{64}) wake:([a-z]+) relay_partitions:([0-9]+)$")
+#: Mapped columns the capture SQL reads on the task table (when reads go through a view, on the base table).
+_CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
+             "attempts", "workflow_type")
 
 
 def _q(conn: Connection, name: str) -> str:
@@ -38,59 +78,275 @@ def _table_sql(conn: Connection, table: sa.Table) -> str:
     return prep.format_table(table)
 
 
-def _placeholders(conn: Connection, tt: TaskTable, wake: WakeMode, relay_partitions: int) -> dict[str, str]:
+# --- where things are -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Relation:
+    kind: str  # "table", "view", "materialized view", "other"
+    name: str  # as the mapping names it (schema.table with mapping.schema)
+
+
+def _pg_relation(conn: Connection, name: str) -> tuple[int, str, str, str] | None:
+    """``(oid, relkind, schema, relname)`` of a (quoted, maybe qualified) relation name, or None."""
+    row = conn.execute(sa.text(
+        "SELECT c.oid, c.relkind, n.nspname, c.relname FROM pg_catalog.pg_class c "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = pg_catalog.to_regclass(:name)"),
+        {"name": name}).first()
+    return None if row is None else (int(row[0]), str(row[1]), str(row[2]), str(row[3]))
+
+
+def _pg_qualified(conn: Connection, table: sa.Table) -> str:
+    """``table`` qualified with the schema it really lives in (found through the connection's search path, as
+    the trigger's DDL finds it): the function runs with a pinned search path that need not contain it."""
+    found = _pg_relation(conn, _table_sql(conn, table))
+    if found is None:
+        return _table_sql(conn, table)
+    prep = conn.dialect.identifier_preparer
+    return f"{prep.quote_schema(found[2])}.{prep.quote(found[3])}"
+
+
+def pollbridge_schema(conn: Connection) -> str:
+    """The schema holding pollbridge's tables: where ``pollbridge_outbox`` is found (the migrations create it in
+    the current schema of the connection that ran ``init``), else the current schema."""
+    schema = conn.execute(sa.text(
+        "SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = pg_catalog.to_regclass('pollbridge_outbox')")).scalar()
+    if schema is None:
+        schema = conn.execute(sa.text("SELECT pg_catalog.current_schema()")).scalar()
+    return str(schema)
+
+
+_PG_KINDS = {"r": "table", "p": "table", "f": "table", "v": "view", "m": "materialized view"}
+
+
+def _relation(conn: Connection, table: str, schema: str | None) -> _Relation | None:
+    """What ``table`` is (a table, a view, ...), or None when it does not exist."""
+    prep = conn.dialect.identifier_preparer
+    if conn.dialect.name == "postgresql":
+        name = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+        found = _pg_relation(conn, name)
+        if found is None:
+            return None
+        return _Relation(_PG_KINDS.get(found[1], "other"), f"{schema}.{table}" if schema else table)
+    master = f"{prep.quote_schema(schema)}.sqlite_master" if schema else "sqlite_master"
+    kind = conn.execute(sa.text(f"SELECT type FROM {master} WHERE type IN ('table', 'view') AND name = :name"),
+                        {"name": table}).scalar()
+    if kind is None:
+        return None
+    return _Relation(str(kind), f"{schema}.{table}" if schema else table)
+
+
+def _pg_view_bases(conn: Connection, name: str) -> list[str]:
+    """The base tables a PostgreSQL view (or materialized view) reads, following views over views, as regclass
+    text (schema-qualified when the schema is not on the search path)."""
+    seen: set[int] = set()
+    bases: list[str] = []
+    pending = [name]
+    while pending and len(seen) < 20:
+        current = _pg_relation(conn, pending.pop())
+        if current is None or current[0] in seen:
+            continue
+        seen.add(current[0])
+        rows = conn.execute(sa.text(
+            "SELECT DISTINCT d.refobjid::pg_catalog.regclass::text, c.relkind FROM pg_catalog.pg_rewrite r "
+            "JOIN pg_catalog.pg_depend d ON d.classid = 'pg_catalog.pg_rewrite'::pg_catalog.regclass "
+            "AND d.objid = r.oid AND d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass "
+            "AND d.refobjid <> r.ev_class "
+            "JOIN pg_catalog.pg_class c ON c.oid = d.refobjid WHERE r.ev_class = :oid ORDER BY 1"),
+            {"oid": current[0]}).all()
+        for text, relkind in rows:
+            if _PG_KINDS.get(str(relkind)) == "table":
+                if text not in bases:
+                    bases.append(str(text))
+            elif str(relkind) == "v":
+                pending.append(str(text))
+    return bases
+
+
+def _sqlite_view_bases(conn: Connection, table: str, schema: str | None) -> list[str]:
+    """The tables a SQLite view reads: SQLite reports every column a statement reads to an authorizer, views
+    expanded, so preparing ``SELECT * FROM view`` names them without parsing any SQL."""
+    raw: Any = conn.connection.driver_connection
+    prep = conn.dialect.identifier_preparer
+    read: list[str] = []
+
+    def authorizer(action: int, arg1: str | None, _arg2: str | None, _db: str | None, _src: str | None) -> int:
+        if action == sqlite3.SQLITE_READ and arg1 and arg1 not in read:
+            read.append(arg1)
+        return sqlite3.SQLITE_OK
+
+    name = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+    raw.set_authorizer(authorizer)
+    try:
+        raw.execute(f"SELECT * FROM {name} LIMIT 0").fetchall()
+    finally:
+        raw.set_authorizer(None)
+    return [t for t in read if (r := _relation(conn, t, schema)) is not None and r.kind == "table"]
+
+
+def _has_task_columns(conn: Connection, tt: TaskTable, name: str) -> bool:
+    """Whether the table ``name`` (as a view's dependencies name it) has the mapped id, keys and status."""
+    schema, _, table = name.rpartition(".")
+    try:
+        columns = {c["name"] for c in sa.inspect(conn).get_columns(table.strip('"'), schema=schema.strip('"') or None)}
+    except NoSuchTableError:
+        return False
     cols = tt.mapping.columns
+    return all(c in columns for logical in ("id", "instance_id", "task_key", "status") for c in cols.parts(logical))
+
+
+def capture_target(conn: Connection, tt: TaskTable) -> sa.Table:
+    """The table capture sits on: ``mapping.table`` (not ``mapping.read_table``, which reads may go through).
+
+    Raises :class:`MappingMismatch` (one line saying what to set) when it is a view, which cannot carry row
+    triggers, or when it lacks a column capture reads."""
+    m = tt.mapping
+    relation = _relation(conn, m.table, m.schema)
+    if relation is not None and relation.kind != "table":
+        if conn.dialect.name == "postgresql":
+            prep = conn.dialect.identifier_preparer
+            quoted = f"{prep.quote_schema(m.schema)}.{prep.quote(m.table)}" if m.schema else prep.quote(m.table)
+            bases = _pg_view_bases(conn, quoted) if "view" in relation.kind else []
+        else:
+            bases = _sqlite_view_bases(conn, m.table, m.schema)
+        if len(bases) > 1:  # a join: the task rows come from the table that has the mapped task columns
+            having = [b for b in bases if _has_task_columns(conn, tt, b)]
+            bases = having if len(having) == 1 else bases
+        if len(bases) == 1:
+            base = f"the base table {bases[0]!r}"
+        elif bases:
+            base = f"the base table whose rows are the tasks (it reads {', '.join(map(repr, bases))})"
+        else:
+            base = "the base table"
+        raise MappingMismatch(
+            f"mapping.table {relation.name!r} is a {relation.kind}: capture needs the base table; set mapping.table "
+            f"to {base} and mapping.read_table to the {relation.kind} {m.table!r}")
+    if m.read_table is None or m.read_table == m.table:
+        return tt.tasks
+    try:
+        base_table = sa.Table(m.table, sa.MetaData(), schema=m.schema, autoload_with=conn)
+    except NoSuchTableError:
+        raise MappingMismatch(f"table {relation.name if relation else m.table!r} named by mapping.table does not "
+                              "exist in the database; capture needs it (reads go through mapping.read_table "
+                              f"{m.read_table!r})") from None
+    for logical in _CAPTURED:
+        for column in m.columns.parts(logical):
+            if column not in base_table.c:
+                raise MappingMismatch(
+                    f"column {column!r} (mapping.columns.{logical}) does not exist in table {m.table!r}, which "
+                    f"capture sits on (reads go through {m.read_table!r}); existing columns: "
+                    f"{', '.join(base_table.c.keys())}")
+    return base_table
+
+
+# --- the generated SQL ----------------------------------------------------------------------------------
+
+def _key_text(conn: Connection, tt: TaskTable, logical: str, row: str = "NEW") -> str:
+    """The text form of a (maybe composite) key of ``row``: what :meth:`TaskTable.key_text` computes."""
+    parts = [f"CAST({row}.{_q(conn, c)} AS TEXT)" for c in tt.mapping.columns.parts(logical)]
+    return " || '/' || ".join(parts)
+
+
+def _placeholders(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeMode,
+                  relay_partitions: int) -> dict[str, str]:
+    cols = tt.mapping.columns
+
     def q(name: str) -> str:
         return _q(conn, name)
 
     pg = conn.dialect.name == "postgresql"
+    instance_key = _key_text(conn, tt, "instance_id")
     if cols.workflow_type:
         type_expr = f"CAST(NEW.{q(cols.workflow_type)} AS TEXT)"
     else:
         inst = tt.mapping.instances
         assert inst is not None and tt.instances is not None
-        type_expr = (f"(SELECT CAST(pb_i.{q(inst.workflow_type)} AS TEXT) FROM {_table_sql(conn, tt.instances)} pb_i "
-                     f"WHERE pb_i.{q(inst.id)} = NEW.{q(cols.instance_id)})")
-    distinct = "IS DISTINCT FROM" if pg else "IS NOT"
-    watched = [("status", cols.status)]
-    for kind, column in (("due", cols.due_at), ("signal", cols.signal_received_at), ("signal", cols.awaits_signal)):
-        if column:
-            watched.append((kind, column))
-    changed = " OR ".join(f"OLD.{q(c)} {distinct} NEW.{q(c)}" for _, c in watched)
-    change_kind = "CASE " + " ".join(f"WHEN OLD.{q(c)} {distinct} NEW.{q(c)} THEN '{k}'" for k, c in watched) + " END"
-    partition_expr = "0"
-    if pg and relay_partitions > 1:
-        partition_expr = f"mod(hashtext(NEW.{q(cols.instance_id)}::text) & 2147483647, {int(relay_partitions)})"
-    notify = ""
-    if pg and wake == "notify":
-        notify = render("postgresql", "notify_always")
-    elif pg and wake == "adaptive":
-        notify = render("postgresql", "notify_when_armed", partition_expr=partition_expr)
-    return {
-        "table": _table_sql(conn, tt.tasks),
+        instances = _pg_qualified(conn, tt.instances) if pg else _table_sql(conn, tt.instances)
+        if cols.composite("instance_id"):  # the instances' id holds the key's text form
+            match = f"CAST(pb_i.{q(inst.id)} AS TEXT) = {instance_key}"
+        else:
+            match = f"pb_i.{q(inst.id)} = NEW.{q(cols.parts('instance_id')[0])}"
+        type_expr = f"(SELECT CAST(pb_i.{q(inst.workflow_type)} AS TEXT) FROM {instances} pb_i WHERE {match})"
+    watched = [(kind, column) for kind, logical in WATCHED if (column := getattr(cols, logical))]
+    if pg:
+        # As text: any column type compares, with no operator looked up on the (pinned) search path.
+        changed = [f"CAST(OLD.{q(c)} AS TEXT) IS DISTINCT FROM CAST(NEW.{q(c)} AS TEXT)" for _, c in watched]
+    else:
+        changed = [f"OLD.{q(c)} IS NOT NEW.{q(c)}" for _, c in watched]
+    change_kind = "CASE " + " ".join(f"WHEN {test} THEN '{kind}'" for test, (kind, _) in zip(
+        changed, watched, strict=True)) + " END"
+    attempt = "NULL"
+    if cols.attempts:
+        attempt = f"CAST(NEW.{q(cols.attempts)} AS INTEGER)"
+        stored = target.c[cols.attempts].type
+        if pg and (not isinstance(stored, sa.Integer) or isinstance(stored, sa.BigInteger)):
+            # A cast that could fail (a bigint past the integer range, a text column) would fail the scheduler's
+            # write: such a value is captured as no attempt instead.
+            text = f"CAST(NEW.{q(cols.attempts)} AS TEXT)"
+            attempt = f"CASE WHEN {text} ~ '^[0-9]{{1,9}}$' THEN CAST({text} AS INTEGER) END"
+    values = {
+        "table": _pg_qualified(conn, target) if pg else _table_sql(conn, target),
         "id": q(cols.id),
-        "instance_id": q(cols.instance_id),
-        "task_key": q(cols.task_key),
+        "instance_key": instance_key,
+        "task_key": _key_text(conn, tt, "task_key"),
         "status": q(cols.status),
         "type_expr": type_expr,
-        "changed": changed if pg else f"({changed})",
         "change_kind": change_kind,
+        "attempt": attempt,
+    }
+    if not pg:
+        return values
+    schema = pollbridge_schema(conn)
+    prep = conn.dialect.identifier_preparer
+    home = prep.quote_schema(schema)
+    partition_expr = "0"
+    if relay_partitions > 1:
+        partition_expr = f"mod(hashtext({instance_key}) & 2147483647, {int(relay_partitions)})"
+    notify = ""
+    if wake == "notify":
+        notify = render("postgresql", "notify_always")
+    elif wake == "adaptive":
+        notify = render("postgresql", "notify_when_armed", relay_state=f"{home}.pollbridge_relay_state")
+    return {
+        **values,
+        "function": f"{home}.{FUNCTION_NAME}",
+        # pg_catalog first and pg_temp last: nothing of the writer's session can stand in for what it names.
+        "search_path": f"pg_catalog, {home}, pg_temp",
+        "outbox": f"{home}.pollbridge_outbox",
         "partition_expr": partition_expr,
         "notify": notify,
     }
+
+
+def _statements(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeMode,
+                relay_partitions: int) -> tuple[list[str], dict[str, str]]:
+    """The generated capture SQL (function and triggers, in order) and the placeholders it was filled with."""
+    values = _placeholders(conn, tt, target, wake, relay_partitions)
+    dialect = conn.dialect.name
+    blocks = ("capture_function", "insert_trigger", "update_trigger") if dialect == "postgresql" \
+        else ("insert_trigger", "update_trigger")
+    return [render(dialect, block, **values) for block in blocks], values
+
+
+def fingerprint(statements: list[str]) -> str:
+    """The sha256 of the generated capture SQL: what the function's comment records."""
+    return hashlib.sha256("\n;\n".join(statements).encode()).hexdigest()
 
 
 def install_capture(conn: Connection, tt: TaskTable, *, wake: WakeMode = "adaptive", relay_partitions: int = 1) -> None:
     """(Re)create the capture triggers for the mapping, inside the caller's transaction."""
     if wake not in WAKE_MODES:
         raise ValueError(f"unknown wake mode {wake!r}")
+    target = capture_target(conn, tt)
     remove_capture(conn)
-    values = _placeholders(conn, tt, wake, relay_partitions)
-    dialect = conn.dialect.name
-    if dialect == "postgresql":
-        conn.exec_driver_sql(render(dialect, "capture_function", **values))
-    for block in ("insert_trigger", "update_trigger"):
-        conn.exec_driver_sql(render(dialect, block, **values))
+    statements, values = _statements(conn, tt, target, wake, relay_partitions)
+    for statement in statements:
+        conn.exec_driver_sql(statement)
+    if conn.dialect.name == "postgresql":
+        comment = f"{COMMENT_PREFIX} sha256:{fingerprint(statements)} wake:{wake} relay_partitions:{relay_partitions}"
+        conn.exec_driver_sql(render("postgresql", "revoke_function", function=values["function"]))
+        conn.exec_driver_sql(render("postgresql", "comment_function", function=values["function"],
+                                    comment=sql_literal(comment)))
 
 
 def installed_triggers(conn: Connection) -> list[tuple[str, str]]:
@@ -110,15 +366,61 @@ def remove_capture(conn: Connection) -> list[str]:
             conn.exec_driver_sql(render(dialect, "drop_trigger", name=_q(conn, name)))
         dropped.append(name)
     if dialect == "postgresql":
-        conn.exec_driver_sql(render(dialect, "drop_function"))
+        # Wherever an install put it (an older one: the current schema of its connection).
+        for function in conn.exec_driver_sql(render(dialect, "list_functions")).scalars().all():
+            conn.exec_driver_sql(render(dialect, "drop_function", function=str(function)))
     return dropped
 
 
-def capture_status(conn: Connection, tt: TaskTable) -> tuple[bool, str]:
-    """Whether both triggers are on the mapped task table (for doctor and preflight)."""
-    present = {name for name, table in installed_triggers(conn)
-               if table.strip('"').split(".")[-1].strip('"') == tt.tasks.name}
+def capture_status(conn: Connection, tt: TaskTable, *, wake: WakeMode | None = None,
+                   relay_partitions: int | None = None) -> tuple[bool, str]:
+    """Whether the capture on the mapped task table is installed, enabled and current (for doctor, preflight and
+    the dual_write gate): one line, saying what to run when it is not.
+
+    *Current* means the installed SQL is what the mapping and the ``[capture]`` settings generate now; a
+    ``wake`` or ``relay_partitions`` not given is taken from what the installed function records."""
+    try:
+        target = capture_target(conn, tt)
+    except MappingMismatch as exc:
+        return False, str(exc)
+    name = tt.mapping.table
+    pg = conn.dialect.name == "postgresql"
+    if pg:
+        qualified = _pg_qualified(conn, target)
+        rows = conn.execute(sa.text(render("postgresql", "capture_triggers_on")), {"table": qualified}).all()
+        present = {str(r.name): r for r in rows}
+    else:
+        prefix = target.schema + "." if target.schema else ""
+        master = f"{_q(conn, target.schema)}.sqlite_master" if target.schema else "sqlite_master"
+        rows = conn.execute(sa.text(f"SELECT name, sql FROM {master} WHERE type = 'trigger' AND tbl_name = :table"),
+                            {"table": target.name}).all()
+        present = {str(r.name): r for r in rows}
+        name = prefix + name
     missing = [n for n in TRIGGER_NAMES if n not in present]
     if missing:
-        return False, f"capture trigger(s) missing on {tt.tasks.name!r}: {', '.join(missing)}; run `pollbridge init`"
-    return True, f"capture triggers installed on {tt.tasks.name!r}"
+        return False, f"capture trigger(s) missing on {name!r}: {', '.join(missing)}; run `pollbridge init`"
+    if pg:
+        # 'D': disabled; 'R': fires only while session_replication_role = replica, so not for the scheduler.
+        disabled = [n for n in TRIGGER_NAMES if present[n].enabled in ("D", "R")]
+        if disabled:
+            return False, (f"capture trigger(s) disabled on {name!r}: {', '.join(disabled)} (changes are not "
+                           "captured); run `pollbridge init` to re-create them enabled")
+        recorded = _COMMENT.match(str(present[TRIGGER_NAMES[0]].comment or ""))
+        if recorded is None or any(present[n].function != present[TRIGGER_NAMES[0]].function for n in TRIGGER_NAMES):
+            return False, _outdated(name)
+        mode = wake or recorded.group(2)
+        if mode not in WAKE_MODES:
+            return False, _outdated(name)
+        statements, _ = _statements(conn, tt, target, mode, relay_partitions or int(recorded.group(3)))
+        if fingerprint(statements) != recorded.group(1):
+            return False, _outdated(name)
+        return True, f"capture triggers installed on {name!r} and current (wake-up: {mode})"
+    statements, _ = _statements(conn, tt, target, "poll", 1)
+    if [str(present[n].sql).strip() for n in TRIGGER_NAMES] != [s.strip() for s in statements]:
+        return False, _outdated(name)
+    return True, f"capture triggers installed on {name!r} and current"
+
+
+def _outdated(name: str) -> str:
+    return (f"capture on {name!r} is outdated: it is not what the current mapping and [capture] settings generate "
+            "(installed by an older pollbridge, or the mapping changed since); run `pollbridge init` to regenerate it")

@@ -3,7 +3,8 @@
 ``id`` is unique and is the idempotency key; ``subject`` is the task id; ``partitionkey`` is the
 instance id (one instance's events stay on one partition); ``traceid`` and ``depth`` are
 extensions (trace propagation and the causation depth guard). ``data`` carries the instance id,
-workflow type, task key, old and new status, the per-task version and the kind of change.
+workflow type, task key, old and new status (``null`` for a NULL status), the per-task version, the kind of
+change and, when the task table's attempts column is mapped and not NULL, the ``attempt``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ EVENT_TYPES = (TASK_STATUS_CHANGED, TASK_SIGNAL_RECEIVED, TIMER_EXPIRED, EXTERNA
 #: The types of a captured change of a task row (``data.change``): a signal has its own type, every other change
 #: (insert, status, due time) is a status change. A consumer of task changes accepts both.
 TASK_CHANGE_TYPES = (TASK_STATUS_CHANGED, TASK_SIGNAL_RECEIVED)
+#: The kinds of captured change (``data.change``, the outbox's ``change``): an inserted row, a status, due-time
+#: or signal change, and ``identity``: the row's id changed and nothing else watched did (a scheduler that gives
+#: a retried task a new physical row id by an UPDATE). ``identity`` is a ``task.status_changed`` event; a
+#: consumer that does not know it evaluates the whole instance.
+TASK_CHANGES = ("insert", "status", "due", "signal", "identity")
 
 
 def change_event_type(change: str) -> str:

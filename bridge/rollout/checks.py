@@ -174,8 +174,11 @@ def _migrations(p: Probe) -> Outcome:
 
 
 def _capture(p: Probe) -> Outcome:
+    capture = p.settings.capture
     with read_only(p.engine).connect() as conn:
-        return capture_status(conn, p.tables)
+        # With the configured [capture] settings: a capture installed with others is outdated too.
+        return capture_status(conn, p.tables, wake=capture.wake,  # type: ignore[arg-type]
+                              relay_partitions=capture.relay_partitions)
 
 
 def _dags(p: Probe) -> Outcome:
@@ -381,7 +384,8 @@ REGISTRY: dict[str, Check] = {c.name: c for c in (
     Check("database", "the database is reachable", _database),
     Check("mapping", "the mapping matches the real tables and columns", _mapping, ("database",)),
     Check("migrations", "pollbridge's schema is at the migration head", _migrations, ("database",)),
-    Check("capture_installed", "the capture triggers are on the task table", _capture, ("database", "mapping")),
+    Check("capture_installed", "the capture triggers are on the task table (not a view), enabled, and what the "
+          "mapping generates", _capture, ("database", "mapping")),
     Check("dags", "the workflows in the task table are DAGs (no cycle, no unknown task key)", _dags,
           ("database", "mapping")),
     Check("bus", "the event bus is reachable", _bus),

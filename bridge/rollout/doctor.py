@@ -2,7 +2,10 @@
 
 Checks (from the registry in :mod:`bridge.rollout.checks`, shared with ``preflight``): the database is
 reachable; the mapping matches the real tables and columns; pollbridge's migrations are at head; the
-capture triggers are installed; the workflows in the task table are DAGs (no dependency on an unknown
+capture triggers are installed on a table (a view as ``mapping.table`` is refused, naming its base table),
+enabled, and current (what the mapping and ``[capture]`` settings generate now: after the scheduler's own
+migrations altered its table, or after an upgrade of pollbridge, an outdated capture says to run
+``pollbridge init``); the workflows in the task table are DAGs (no dependency on an unknown
 task key, no cycle); the bus is reachable. Each check is independent where it can be: a mapping
 mismatch does not hide the migration state. When the database cannot be reached nothing else is
 checked; a check whose prerequisite failed (the capture and DAG checks without a mapping) is left out.

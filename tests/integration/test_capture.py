@@ -129,3 +129,115 @@ def test_status_reported_and_uninstall_removes_triggers_only(engine: Engine, tab
         conn.execute(tables.instances.insert().values(id="after", workflow_type="w"))  # type: ignore[union-attr]
         conn.execute(tables.tasks.insert().values(instance_id="after", task_key="a", depends_on=[]))
         assert conn.execute(sa.select(sa.func.count()).select_from(tables.tasks)).scalar_one() == 1
+
+
+# --- a scheduler that is not ours: composite keys, a NULL status, attempts, a new row id per retry ---------
+
+def _airflow_like(engine: Engine) -> TaskTable:
+    """A task table shaped like Airflow's task_instance (a run is (dag_id, run_id), a task (task_id, map_index),
+    a waiting task has state NULL, a retry gets a new primary key), with capture installed on it."""
+    from bridge.capture.triggers import install_capture
+    from bridge.core.mapping import StatusValues, TaskColumns, TaskTableMapping
+    from bridge.tasktable.tables import reflect_tables
+
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE task_instance (id VARCHAR(36) PRIMARY KEY, dag_id VARCHAR(250) NOT NULL, "
+            "run_id VARCHAR(250) NOT NULL, task_id VARCHAR(250) NOT NULL, map_index INTEGER NOT NULL DEFAULT -1, "
+            "state VARCHAR(20), try_number INTEGER NOT NULL DEFAULT 0, depends_on TEXT NOT NULL DEFAULT '[]', "
+            "updated_at VARCHAR(40))")
+    mapping = TaskTableMapping(
+        table="task_instance", instances=None,
+        columns=TaskColumns(instance_id=("dag_id", "run_id"), task_key=("task_id", "map_index"), status="state",
+                            workflow_type="dag_id", attempts="try_number", due_at=None, awaits_signal=None,
+                            signal_received_at=None, dispatched_at=None, completed_at=None, updated_at=None,
+                            max_attempts=None),
+        statuses=StatusValues(pending=["up_for_retry"], null="pending", dispatched="queued", running="running",
+                              completed="success", failed="failed", skipped="skipped", other=["deferred"]))
+    tt = reflect_tables(engine, mapping)
+    with engine.begin() as conn:
+        install_capture(conn, tt)
+    return tt
+
+
+def test_composite_keys_a_null_status_and_the_attempt_are_captured(engine: Engine) -> None:
+    tt = _airflow_like(engine)
+    t = tt.tasks
+    with engine.begin() as conn:
+        conn.execute(t.insert().values(id="u1", dag_id="etl", run_id="manual__2026-01-01", task_id="load",
+                                       map_index=2, state=None))
+        conn.execute(t.update().values(state="queued", try_number=1))
+        conn.execute(t.update().values(updated_at="heartbeat"))  # an unwatched column: nothing captured
+        conn.execute(t.update().values(state="deferred"))
+        conn.execute(t.update().values(state=None))
+        expected_keys = conn.execute(sa.select(tt.key_text("instance_id"), tt.key_text("task_key"))).one()
+    rows = _outbox(engine, "etl/manual__2026-01-01")
+    assert [(r.change, r.old_status, r.new_status, r.attempt) for r in rows] == [
+        ("insert", None, None, 0), ("status", None, "queued", 1), ("status", "queued", "deferred", 1),
+        ("status", "deferred", None, 1)]
+    # Exactly the text the rest of pollbridge computes for the keys (TaskTable.key_text).
+    assert {(r.instance_id, r.task_key) for r in rows} == {tuple(expected_keys)} == {
+        ("etl/manual__2026-01-01", "load/2")}
+    assert {(r.task_id, r.workflow_type) for r in rows} == {("u1", "etl")}
+
+
+def test_a_new_row_id_is_captured_as_identity_or_with_the_status_change(engine: Engine) -> None:
+    """Airflow gives a retried task instance a new primary key by an UPDATE: the same logical task, a new
+    physical row, which the event path must hear of."""
+    tt = _airflow_like(engine)
+    t = tt.tasks
+    with engine.begin() as conn:
+        conn.execute(t.insert().values(id="u1", dag_id="etl", run_id="r", task_id="load", state="failed",
+                                       try_number=1))
+        conn.execute(t.update().values(id="u2"))  # only the id
+        conn.execute(t.update().values(id="u3", state="up_for_retry"))  # the id and the status
+    rows = _outbox(engine, "etl/r")
+    assert [(r.change, r.task_id, r.old_status, r.new_status) for r in rows] == [
+        ("insert", "u1", None, "failed"), ("identity", "u2", "failed", "failed"),
+        ("status", "u3", "failed", "up_for_retry")]
+
+
+def test_the_attempt_is_the_mapped_attempts_column_or_none(engine: Engine, tables: TaskTable) -> None:
+    from dataclasses import replace
+
+    from bridge.capture.triggers import install_capture
+
+    ids = _new_instance(engine, tables, "att", ["a"])
+    t = tables.tasks
+    with engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued", attempts=4))
+        unmapped = replace(tables.mapping, columns=replace(tables.mapping.columns, attempts=None, max_attempts=None))
+        install_capture(conn, replace(tables, mapping=unmapped))
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(status="running", attempts=5))
+    assert [(r.change, r.new_status, r.attempt) for r in _outbox(engine, "att")] == [
+        ("insert", "pending", 0), ("status", "queued", 4), ("status", "running", None)]
+
+
+@pytest.mark.parametrize("new_type", ["varchar(300)", "text"])
+def test_the_scheduler_can_retype_a_watched_column_and_its_sessions_keep_writing(
+        engine: Engine, tables: TaskTable, new_type: str) -> None:
+    """A column a trigger's WHEN clause (or column list) names cannot be retyped, and a PL/pgSQL plan made
+    before the retype must not fail the writes of a session that fired the trigger before it."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has no ALTER COLUMN ... TYPE")
+    ids = _new_instance(engine, tables, "retype", ["a", "b"])
+    t = tables.tasks
+    with engine.connect() as scheduler, engine.connect() as migration:
+        for i in range(3):  # the scheduler's session fires the trigger: captured and not captured updates
+            scheduler.execute(t.update().where(t.c.id == ids["a"]).values(max_attempts=4 + i))
+            scheduler.execute(t.update().where(t.c.id == ids["a"]).values(status=("queued", "pending")[i % 2]))
+            scheduler.commit()
+        migration.exec_driver_sql(f"ALTER TABLE tasks ALTER COLUMN status TYPE {new_type}")
+        migration.exec_driver_sql("ALTER TABLE tasks ALTER COLUMN due_at TYPE timestamp")
+        migration.commit()
+        scheduler.execute(t.update().where(t.c.id == ids["a"]).values(max_attempts=9))
+        scheduler.execute(t.update().where(t.c.id == ids["b"]).values(status="running"))
+        scheduler.commit()
+        # and within the migration's own transaction, after its ALTER
+        migration.execute(t.update().where(t.c.id == ids["a"]).values(max_attempts=10))
+        migration.exec_driver_sql("ALTER TABLE tasks ALTER COLUMN status TYPE varchar(200)")
+        migration.execute(t.update().where(t.c.id == ids["a"]).values(status="completed"))
+        migration.commit()
+    rows = [(r.task_key, r.change, r.new_status) for r in _outbox(engine, "retype")]
+    assert rows[-2:] == [("b", "status", "running"), ("a", "status", "completed")]
+    assert len(rows) == 2 + 3 + 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -102,3 +103,64 @@ def test_json_keeps_doctor_keys(engine: Engine) -> None:
     assert doc["ok"] is True
     assert [set(c) for c in doc["checks"]] == [{"name", "ok", "detail"}] * 6
     assert [c["name"] for c in doc["checks"]] == ["database", "mapping", "migrations", "capture", "dags", "bus"]
+
+
+def test_an_outdated_capture_is_reported_with_what_to_run(engine: Engine) -> None:
+    """The installed capture is not what the mapping generates (installed by an older pollbridge, or for another
+    mapping): doctor says so in one line naming `pollbridge init`, and `init` makes it current again."""
+    from bridge.app import install
+    from bridge.capture.triggers import install_capture
+    from bridge.tasktable.tables import reflect_tables
+
+    other = TaskTableMapping(columns=TaskColumns(due_at=None))
+    with engine.begin() as conn:
+        install_capture(conn, reflect_tables(conn, other))
+    ok, detail = _by_name(engine, Settings())["capture"]
+    assert not ok and "outdated" in detail and "`pollbridge init`" in detail and "\n" not in detail
+    install.init(engine, mapping=TaskTableMapping())
+    ok, detail = _by_name(engine, Settings())["capture"]
+    assert ok and "current" in detail, detail
+
+
+def test_capture_installed_with_other_capture_settings_is_outdated(engine: Engine) -> None:
+    from bridge.core.settings import CaptureSettings
+
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite's capture does not depend on the [capture] settings (no NOTIFY, one relay partition)")
+    for capture in (CaptureSettings(wake="notify"), CaptureSettings(relay_partitions=2)):
+        ok, detail = _by_name(engine, Settings(capture=capture))["capture"]
+        assert not ok and "outdated" in detail and "`pollbridge init`" in detail
+
+
+def test_capture_stays_current_after_the_scheduler_retypes_its_status_column(engine: Engine) -> None:
+    """The scheduler's own migrations may retype its columns (Airflow's retype `state`): nothing in the capture
+    stops them, and the capture needs nothing afterwards."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has no ALTER COLUMN ... TYPE")
+    for new_type in ("varchar(300)", "text"):
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"ALTER TABLE tasks ALTER COLUMN status TYPE {new_type}")
+        checks = _by_name(engine, Settings())
+        assert all(ok for ok, _ in checks.values()), checks
+        assert "current" in checks["capture"][1]
+
+
+def test_a_disabled_capture_trigger_is_reported(engine: Engine) -> None:
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite cannot disable a trigger")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE tasks DISABLE TRIGGER pollbridge_capture_update")
+    ok, detail = _by_name(engine, Settings())["capture"]
+    assert not ok and "disabled" in detail and "pollbridge_capture_update" in detail and "pollbridge init" in detail
+
+
+def test_a_view_as_the_capture_target_is_refused_naming_its_base_table(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE VIEW tasks_fixed AS SELECT * FROM tasks")
+    ok, detail = _by_name(engine, Settings(mapping=TaskTableMapping(table="tasks_fixed")))["capture"]
+    assert not ok
+    assert detail == ("mapping.table 'tasks_fixed' is a view: capture needs the base table; set mapping.table to "
+                      "the base table 'tasks' and mapping.read_table to the view 'tasks_fixed'")
+    # as the message says: reads through the view, capture on the base table
+    checks = _by_name(engine, Settings(mapping=TaskTableMapping(table="tasks", read_table="tasks_fixed")))
+    assert all(ok for ok, _ in checks.values()), checks

@@ -66,3 +66,28 @@ def test_demo_schema_is_not_recreated_over_existing_tables(empty_db_url: str) ->
         assert install.init(engine, demo_schema=True).demo_tables_created == ()
     finally:
         engine.dispose()
+
+
+def test_init_refuses_a_view_as_the_capture_target_and_creates_nothing(empty_db_url: str) -> None:
+    """A view cannot carry row triggers: init says so in one line naming the base table, before it migrates."""
+    import pytest
+
+    from bridge.core.errors import MappingMismatch
+    from bridge.core.mapping import TaskTableMapping
+    from bridge.reference.schema import create_demo_schema
+
+    engine = create_engine(empty_db_url)
+    try:
+        with engine.begin() as conn:
+            create_demo_schema(conn)
+            conn.exec_driver_sql("CREATE VIEW tasks_fixed AS SELECT * FROM tasks")
+        with pytest.raises(MappingMismatch) as refused:
+            install.init(engine, mapping=TaskTableMapping(table="tasks_fixed"))
+        assert str(refused.value) == (
+            "mapping.table 'tasks_fixed' is a view: capture needs the base table; set mapping.table to the base "
+            "table 'tasks' and mapping.read_table to the view 'tasks_fixed'")
+        assert migrate.owned_tables(engine) == [] and migrate.current_revision(engine) is None
+        result = install.init(engine, mapping=TaskTableMapping(table="tasks", read_table="tasks_fixed"))
+        assert result.capture_installed
+    finally:
+        engine.dispose()

@@ -462,3 +462,69 @@ def test_redis_memory_pressure_reads_maxmemory(redis_server: str, redis_namespac
         client.config_set("maxmemory", before)
         client.close()
         bus.close()
+
+
+def _outbox_row(conn: sa.Connection, event_id: str, change: str, old: str | None, new: str | None,
+                attempt: int | None = None) -> None:
+    conn.execute(outbox.insert().values(event_id=event_id, task_id="7", instance_id="st", workflow_type="w",
+                                        task_key="k", change=change, old_status=old, new_status=new,
+                                        attempt=attempt, created_at=sa.func.current_timestamp()))
+
+
+def test_null_skipped_and_other_statuses_are_published_and_only_unknown_values_dead_lettered(env: Env) -> None:
+    """A waiting task instance of a foreign scheduler has status NULL, and it stores values the mapping declares
+    without a meaning of their own (``skipped``, ``other``): their events reach the bus (a retry's second try
+    among them). A stored value the mapping does not know at all is still set aside, saying which it is."""
+    from bridge.core.mapping import StatusValues
+
+    statuses = StatusValues(skipped="skipped", other=["deferred", "upstream_failed"])
+    with env.engine.begin() as conn:
+        _outbox_row(conn, "null-insert", "insert", None, None)
+        _outbox_row(conn, "to-other", "status", None, "deferred", attempt=1)
+        _outbox_row(conn, "other-to-skipped", "status", "deferred", "skipped", attempt=1)
+        _outbox_row(conn, "back-to-null", "identity", "failed", None, attempt=2)
+        _outbox_row(conn, "unknown", "status", "pending", "exploded")
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=statuses)
+    while relay.publish_batch():
+        pass
+    with env.engine.connect() as conn:
+        dead = conn.execute(sa.select(outbox_dead)).all()
+    assert len(dead) == 1 and "unknown" in dead[0].payload
+    assert "'exploded'" in dead[0].reason and "'deferred'" in dead[0].reason and "'queued'" in dead[0].reason
+    published = {"null-insert", "to-other", "other-to-skipped", "back-to-null"}
+    audit = Audit(env.open_bus())
+    assert audit.collect(published) == published
+    data = {d.event.id: d.event.data for d in audit.seen if d.event is not None}
+    assert data["null-insert"]["new_status"] is None and "attempt" not in data["null-insert"]
+    assert data["to-other"]["new_status"] == "deferred" and data["to-other"]["attempt"] == 1
+    assert data["back-to-null"]["change"] == "identity" and data["back-to-null"]["attempt"] == 2
+
+
+def test_a_null_status_is_published_even_when_the_mapping_gives_null_no_meaning(env: Env) -> None:
+    with env.engine.begin() as conn:
+        _outbox_row(conn, "null", "status", "pending", None)
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    assert relay.publish_batch() == 1
+    with env.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(outbox_dead)).scalar_one() == 0
+    assert Audit(env.open_bus()).collect({"null"}) == {"null"}
+
+
+def test_the_attempt_is_in_the_event_from_both_builders(env: Env) -> None:
+    """``data.attempt`` is there when the outbox row has one, from the database's JSON as from the Python event."""
+    from bridge.capture.relay import event_payload_sql, row_to_event
+    from bridge.core.events import CloudEvent
+
+    add_tasks(env, "att", 1)
+    tasks = env.tables.tasks
+    with env.engine.begin() as conn:
+        conn.execute(tasks.update().where(tasks.c.task_key == "k0").values(status="queued", attempts=3))
+        _outbox_row(conn, "no-attempt", "status", "queued", "running")
+        rows = conn.execute(sa.select(outbox, event_payload_sql(env.engine.dialect.name))
+                            .order_by(outbox.c.id)).all()
+    attempts = []
+    for row in rows:
+        parsed = CloudEvent.from_json(row.payload)
+        assert parsed.data == row_to_event(row, env.tables.mapping.statuses).data
+        attempts.append(parsed.data.get("attempt", "absent"))
+    assert attempts == [0, 3, "absent"]
