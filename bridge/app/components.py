@@ -111,7 +111,8 @@ class Components:
               registry: CollectorRegistry | None = None) -> Relay:
         s = self.settings
         return Relay(engine, bus, s.relay, statuses=s.mapping.statuses, partition=partition,
-                     wake=s.capture.wake, registry=registry)  # type: ignore[arg-type]
+                     wake=s.capture.wake, registry=registry,  # type: ignore[arg-type]
+                     foreign=s.mapping if s.legacy.foreign else None)
 
     def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
                   registry: CollectorRegistry | None = None) -> EventScheduler:

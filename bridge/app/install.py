@@ -22,6 +22,7 @@ from bridge.core.settings import CaptureSettings
 from bridge.db import migrate
 from bridge.db.engine import check_connection, read_only
 from bridge.reference.schema import create_demo_schema
+from bridge.tasktable import usersql
 from bridge.tasktable.tables import reflect_tables
 
 
@@ -50,8 +51,16 @@ def init(
     if demo_schema:
         with engine.begin() as conn:
             created = create_demo_schema(conn)
-    tables = reflect_tables(engine, mapping) if mapping is not None else None
-    if tables is not None:
+    tables = None
+    if mapping is not None and mapping.install_sql is not None:
+        # The mapping may read what its own SQL creates (Airflow's edges views): installed first, and rolled
+        # back with everything else when the mapping then does not match or names a view as capture target.
+        with engine.begin() as conn:
+            usersql.install(conn, mapping)
+            tables = reflect_tables(conn, mapping)
+            capture_target(conn, tables)
+    elif mapping is not None:
+        tables = reflect_tables(engine, mapping)
         # A view cannot carry the capture triggers: refused here, before anything of pollbridge is created.
         with read_only(engine).connect() as conn:
             capture_target(conn, tables)
@@ -68,12 +77,15 @@ def init(
     return InitResult(before, after, tuple(created), tables is not None)
 
 
-def uninstall(engine: Engine) -> list[str]:
-    """Remove pollbridge's objects; return the tables that were dropped."""
+def uninstall(engine: Engine, mapping: TaskTableMapping | None = None) -> list[str]:
+    """Remove pollbridge's objects (and what the mapping's ``install_sql`` created); return the tables that
+    were dropped."""
     check_connection(engine)
     before = migrate.owned_tables(engine)
     with engine.begin() as conn:
         remove_capture(conn)
+        if mapping is not None:
+            usersql.uninstall(conn, mapping)
     if migrate.current_revision(engine) is not None:
         migrate.downgrade_all(engine)
     after = set(migrate.owned_tables(engine))
@@ -87,14 +99,14 @@ class UninstallResult:
     bus_error: str | None = None  # the bus failed after the tables were dropped: why its data is left
 
 
-def uninstall_all(engine: Engine, bus: EventBus | None) -> UninstallResult:
+def uninstall_all(engine: Engine, bus: EventBus | None, mapping: TaskTableMapping | None = None) -> UninstallResult:
     """:func:`uninstall`, then empty ``bus`` (``None``: leave the bus alone, or it lives in the dropped tables).
 
     The bus is asked first (a read): when it cannot be reached, this raises before anything is removed."""
     check_connection(engine)
     if bus is not None:
         bus.dead_letter_count()
-    dropped = tuple(uninstall(engine))
+    dropped = tuple(uninstall(engine, mapping))
     if bus is None:
         return UninstallResult(dropped, None)
     try:

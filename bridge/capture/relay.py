@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.base import EventBus
+from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import read_backlog
@@ -47,7 +48,7 @@ from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
 from bridge.core.events import TASK_CHANGES, CloudEvent, EventFormatError, change_event_type, encoded_event
 from bridge.core.idle import idle_poll
-from bridge.core.mapping import StatusValues
+from bridge.core.mapping import StatusValues, TaskTableMapping
 from bridge.core.settings import RelaySettings, WakeMode
 from bridge.core.urls import mask_url
 from bridge.db.clock import as_utc
@@ -124,8 +125,12 @@ class Relay:
         wake: WakeMode = "adaptive",
         registry: CollectorRegistry | None = None,
         leadership: Leadership | None = None,
+        foreign: TaskTableMapping | None = None,
     ) -> None:
         self.engine = engine
+        #: The mapping of a scheduler pollbridge did not write (``[legacy] kind = "foreign"``): its dispatches
+        #: are recorded from the captured transitions, in the transaction that marks them published.
+        self.foreign = foreign
         self.bus = bus
         self.settings = settings
         self.statuses = statuses
@@ -177,6 +182,9 @@ class Relay:
                     raise EventFormatError(f"outbox row {row.id}: not publishable")
                 except EventFormatError as exc:
                     dead.append((row, str(exc)))
+            if self.foreign is not None and good:
+                # Before the publish: a database error here happens before anything reached the bus.
+                record_foreign_dispatches(conn, self.foreign, good)
             if events:
                 self.bus.publish_in(conn, events)
             if dead:

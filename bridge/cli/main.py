@@ -128,7 +128,7 @@ def uninstall(ctx: click.Context, yes: bool, keep_bus: bool, as_json: bool) -> N
         if not embedded and not keep_bus:
             bus = components.bus(engine, timeout=BUS_TIMEOUT)
         try:
-            result = install.uninstall_all(engine, bus)
+            result = install.uninstall_all(engine, bus, components.settings.mapping)
         except (redis.RedisError, OSError) as exc:
             fail(f"cannot reach the bus {mask_url(settings.bus_url)}: {first_line(exc).rstrip('.')}; nothing removed "
                  "(--keep-bus removes pollbridge from the database alone and leaves the bus's keys)", 1)

@@ -19,14 +19,20 @@ metadata = sa.MetaData()
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 #: One row per dispatch either path made: the evidence for latency, double and early checks.
+#: Ids, keys and type names: unbounded text on PostgreSQL (migration 0008: a composite key's text can be
+#: long, and an overflow inside the capture function would fail the scheduler's own write); SQLite enforces
+#: no length, so its columns keep their original declaration.
+Key = sa.String(200).with_variant(sa.Text(), "postgresql")
+Status = sa.String(64).with_variant(sa.Text(), "postgresql")
+
 dispatch_log = sa.Table(
     "pollbridge_dispatch_log",
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
-    sa.Column("task_id", sa.String(200), nullable=False),
-    sa.Column("instance_id", sa.String(200), nullable=False),
-    sa.Column("workflow_type", sa.String(200), nullable=True),
-    sa.Column("task_key", sa.String(200), nullable=False),
+    sa.Column("task_id", Key, nullable=False),
+    sa.Column("instance_id", Key, nullable=False),
+    sa.Column("workflow_type", Key, nullable=True),
+    sa.Column("task_key", Key, nullable=False),
     sa.Column("attempt", sa.Integer, nullable=True),
     # 'poller', 'events' or 'fallback'
     sa.Column("path", sa.String(16), nullable=False),
@@ -48,14 +54,14 @@ outbox = sa.Table(
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
     sa.Column("event_id", sa.String(36), nullable=False),
-    sa.Column("task_id", sa.String(200), nullable=True),
-    sa.Column("instance_id", sa.String(200), nullable=True),
-    sa.Column("workflow_type", sa.String(200), nullable=True),
-    sa.Column("task_key", sa.String(200), nullable=True),
+    sa.Column("task_id", Key, nullable=True),
+    sa.Column("instance_id", Key, nullable=True),
+    sa.Column("workflow_type", Key, nullable=True),
+    sa.Column("task_key", Key, nullable=True),
     # 'insert', 'status', 'due' or 'signal' (the first that applies)
     sa.Column("change", sa.String(16), nullable=False),
-    sa.Column("old_status", sa.String(64), nullable=True),
-    sa.Column("new_status", sa.String(64), nullable=True),
+    sa.Column("old_status", Status, nullable=True),
+    sa.Column("new_status", Status, nullable=True),
     sa.Column("trace_id", sa.String(32), nullable=True),
     sa.Column("relay_partition", sa.Integer, nullable=False, server_default="0"),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
@@ -146,10 +152,10 @@ decisions = sa.Table(
     "pollbridge_decisions",
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
-    sa.Column("task_id", sa.String(200), nullable=False),
-    sa.Column("instance_id", sa.String(200), nullable=False),
-    sa.Column("workflow_type", sa.String(200), nullable=True),
-    sa.Column("task_key", sa.String(200), nullable=False),
+    sa.Column("task_id", Key, nullable=False),
+    sa.Column("instance_id", Key, nullable=False),
+    sa.Column("workflow_type", Key, nullable=True),
+    sa.Column("task_key", Key, nullable=False),
     sa.Column("attempt", sa.Integer, nullable=True),
     sa.Column("ready_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("decided_at", sa.DateTime(timezone=True), nullable=False),
@@ -183,7 +189,7 @@ signals = sa.Table(
     "pollbridge_signals",
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
-    sa.Column("task_id", sa.String(200), nullable=False),
+    sa.Column("task_id", Key, nullable=False),
     sa.Column("kind", sa.String(32), nullable=False),
     sa.Column("payload", sa.Text, nullable=True),
     sa.Column("actor", sa.String(200), nullable=True),
@@ -198,7 +204,7 @@ signals = sa.Table(
 flags = sa.Table(
     "pollbridge_flags",
     metadata,
-    sa.Column("workflow_type", sa.String(200), primary_key=True),
+    sa.Column("workflow_type", Key, primary_key=True),
     sa.Column("phase", sa.String(16), nullable=False),
     sa.Column("percent", sa.Float, nullable=True),
     sa.Column("grace_seconds", sa.Float, nullable=False, server_default="5"),
@@ -214,7 +220,7 @@ flag_audit = sa.Table(
     "pollbridge_flag_audit",
     metadata,
     sa.Column("id", BigId, primary_key=True, autoincrement=True),
-    sa.Column("workflow_type", sa.String(200), nullable=False),
+    sa.Column("workflow_type", Key, nullable=False),
     sa.Column("action", sa.String(16), nullable=False),
     sa.Column("actor", sa.String(200), nullable=False),
     sa.Column("reason", sa.Text, nullable=False),

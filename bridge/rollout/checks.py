@@ -50,6 +50,7 @@ from bridge.flags.store import FlagStore, describe
 from bridge.reference.workload import find_cycle
 from bridge.rollout.guardian import Guardian
 from bridge.rollout.promotion import RANK, evaluate_gate, is_promotion
+from bridge.tasktable import usersql
 from bridge.tasktable.tables import TaskTable, reflect_tables
 
 #: Most task rows the ``dags`` check reads, so it stays quick on a large table.
@@ -161,6 +162,17 @@ def _mapping(p: Probe) -> Outcome:
     deps = "JSON column" if m.dependency_mode == "json" else f"edges table {m.edges.table if m.edges else '?'}"
     return True, (f"table {m.table}: {len(m.columns.mapped())} mapped columns found; "
                   f"workflow type from {source}; dependencies in {deps}")
+
+
+def _integration_sql(p: Probe) -> Outcome:
+    m = p.settings.mapping
+    if m.install_sql is None:
+        return True, "no [mapping] install_sql"
+    with p.engine.connect() as conn:
+        problems = usersql.problems(conn, m)
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"{m.install_sql}: its check reports no problem"
 
 
 def _migrations(p: Probe) -> Outcome:
@@ -383,6 +395,8 @@ def _rollback_rehearsed(p: Probe) -> Outcome:
 REGISTRY: dict[str, Check] = {c.name: c for c in (
     Check("database", "the database is reachable", _database),
     Check("mapping", "the mapping matches the real tables and columns", _mapping, ("database",)),
+    Check("install_sql", "the mapping's own SQL (install_sql) reports no problem", _integration_sql,
+          ("database", "mapping")),
     Check("migrations", "pollbridge's schema is at the migration head", _migrations, ("database",)),
     Check("capture_installed", "the capture triggers are on the task table (not a view), enabled, and what the "
           "mapping generates", _capture, ("database", "mapping")),

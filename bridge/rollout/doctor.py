@@ -22,7 +22,7 @@ from bridge.flags.store import FlagStore
 from bridge.rollout.checks import REGISTRY, BusOpener, CheckResult, Probe, run_checks
 
 #: The checks doctor runs, in the order it prints them.
-DOCTOR: tuple[str, ...] = ("database", "mapping", "migrations", "capture_installed", "dags", "bus")
+DOCTOR: tuple[str, ...] = ("database", "mapping", "install_sql", "migrations", "capture_installed", "dags", "bus")
 #: Doctor's own name for a registry check (its output has always said ``capture``).
 NAMES: dict[str, str] = {"capture_installed": "capture"}
 
@@ -32,7 +32,9 @@ def run_doctor(engine: Engine, settings: Settings, *, store: FlagStore, open_bus
     (:meth:`bridge.app.components.Components.doctor`)."""
     probe = Probe(engine, settings, store=store, open_bus=open_bus)
     try:
-        first, *rest = [REGISTRY[name] for name in DOCTOR]
+        # The mapping's own SQL is checked only where there is some: no line about nothing.
+        names = [n for n in DOCTOR if n != "install_sql" or settings.mapping.install_sql is not None]
+        first, *rest = [REGISTRY[name] for name in names]
         results = run_checks([first], probe)
         if results[0].passed:  # without the database there is nothing else to look at
             results += run_checks(rest, probe, blocked="omit")

@@ -122,6 +122,15 @@ class TaskTable:
 
 def reflect_tables(bind: Engine | Connection, mapping: TaskTableMapping) -> TaskTable:
     """Reflect the mapped tables; raise :class:`MappingMismatch` naming any missing table or column."""
+    try:
+        return _reflect_tables(bind, mapping)
+    except MappingMismatch as exc:
+        if mapping.install_sql is None or "does not exist in the database" not in str(exc):
+            raise
+        raise MappingMismatch(f"{exc}; if {mapping.install_sql} creates it, run `pollbridge init`") from None
+
+
+def _reflect_tables(bind: Engine | Connection, mapping: TaskTableMapping) -> TaskTable:
     metadata = sa.MetaData()
     tasks = _reflect(bind, metadata, mapping.read_table or mapping.table, mapping.schema)
     _require_columns(tasks, mapping.columns.mapped().items(), "mapping.columns")
