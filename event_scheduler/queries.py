@@ -115,7 +115,8 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
         document = sa.select(sa.cast(sa.bindparam("scope", type_=sa.Text), postgresql.JSONB)).scalar_subquery()
         in_scope = sa.case((is_live, sa.case((scope_hit(tt, document), 1), else_=0)), else_=0)
     # Composite keys travel as their part columns (each selected once) and become text at the end.
-    names = list(dict.fromkeys(name for c in logical for name in tt.mapping.columns.parts(c)))
+    names = list(dict.fromkeys([*(name for c in logical for name in tt.mapping.columns.parts(c)),
+                                *tt.readiness_columns()]))
     base = (
         sa.select(*(tt.tasks.c[name] for name in names),
                   sa.func.row_number().over(partition_by=tt.col("instance_id"), order_by=tt.col("id"))

@@ -207,6 +207,22 @@ def _dags(p: Probe) -> Outcome:
                     return False, (f"instance {instance_id!r} task {key!r}: dependencies are not a JSON array "
                                    "of task keys")
                 deps[str(instance_id)][str(key)] = value
+        elif tt.mapping.dependency_mode == "keys":
+            # Edges between key-column values of one definition (e.g. a DAG version): the graph of an
+            # instance is over its rows' key-column values (several rows may share one: mapped tasks).
+            edges = tt.mapping.edges
+            assert tt.edges is not None and edges is not None and edges.task_key and edges.depends_on_key
+            e = tt.edges
+            key_col = tt.tasks.c[tt.mapping.dependency_key_column]
+            q = (sa.select(tt.col("instance_id"), key_col, e.c[edges.depends_on_key])
+                 .select_from(tt.tasks.outerjoin(e, sa.and_(e.c[edges.task_key] == key_col,
+                                                            *(e.c[m] == tt.tasks.c[m] for m in edges.match))))
+                 .limit(DAG_CHECK_LIMIT))
+            rows = conn.execute(q).all()
+            for instance_id, key, dep_key in rows:
+                entry = deps[str(instance_id)].setdefault(str(key), [])
+                if dep_key is not None and str(dep_key) not in entry:
+                    entry.append(str(dep_key))
         else:
             assert tt.edges is not None and tt.mapping.edges is not None
             e = tt.edges

@@ -96,6 +96,17 @@ class TaskTable:
             return sa.false()
         return clauses[0] if len(clauses) == 1 else sa.or_(*clauses)
 
+    def readiness_columns(self) -> tuple[str, ...]:
+        """Task-table columns readiness reads beyond the logical ones (a subquery over the task table that
+        readiness is applied to must carry them): the trigger rule, and in ``keys`` mode the key column
+        and the columns an edge is matched on."""
+        names: list[str] = []
+        if self.mapping.columns.trigger_rule:
+            names.append(self.mapping.columns.trigger_rule)
+        if self.mapping.dependency_mode == "keys" and self.mapping.edges is not None:
+            names += [self.mapping.dependency_key_column, *self.mapping.edges.match]
+        return tuple(dict.fromkeys(names))
+
     @property
     def has_rules(self) -> bool:
         """Whether trigger rules are mapped (else every dependency must be completed: all_success)."""
