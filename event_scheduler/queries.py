@@ -49,6 +49,24 @@ def in_ids(column: sa.ColumnElement[Any], pg: bool) -> sa.ColumnElement[bool]:
     return column.in_(sa.bindparam("ids", expanding=True))
 
 
+def instance_in_ids(tt: TaskTable, pg: bool, table: sa.FromClause | None = None) -> sa.ColumnElement[bool]:
+    """The task row's instance is one of the ``ids`` parameter (instance ids as text).
+
+    A composite instance key (``["dag_id", "run_id"]``) is compared part by part on PostgreSQL: the ids
+    are split back into their parts (``/`` between them, the last part takes the rest) and cast to the
+    columns' types, so the index on the parts serves; comparing the joined text would read every row."""
+    parts = tt.parts("instance_id", table)
+    if not pg or len(parts) == 1:
+        return in_ids(tt.col("instance_id", table), pg)
+    ids = (sa.func.unnest(sa.bindparam("ids", type_=postgresql.ARRAY(sa.Text))).table_valued("value")
+           .render_derived(name="pb_ids"))
+    text = ids.c.value
+    split: list[sa.ColumnElement[Any]] = [sa.func.split_part(text, "/", i + 1) for i in range(len(parts) - 1)]
+    split.append(sa.func.regexp_replace(text, f"^([^/]*/){{{len(parts) - 1}}}", ""))
+    typed = [sa.cast(value, column.type) for value, column in zip(split, parts, strict=True)]
+    return sa.tuple_(*parts).in_(sa.select(*typed).select_from(ids))
+
+
 def scope_hit(tt: TaskTable, scope: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     """Whether the task row is in the evaluation's scope, given the scope document (JSONB, per instance
     id: ``{"w": 1}`` for the whole instance, else ``{"k": [task keys], "d": [task keys]}``: those tasks,
@@ -124,7 +142,7 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
                   sa.func.max(sa.case((is_live, 1), else_=0))
                   .over(partition_by=tt.col("instance_id")).label("pb_any_live"),
                   in_scope.label("pb_in_scope"))
-        .where(in_ids(tt.col("instance_id"), pg))
+        .where(instance_in_ids(tt, pg))
         .offset(0)
         .subquery("pb_base")
     )
@@ -290,7 +308,7 @@ def taken_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
     taken = (
         sa.select(*(as_pending if c.name == status_column else c for c in t.c),
                   taken_attempt(tt, t).label("pb_attempt"))
-        .where(in_ids(tt.col("instance_id"), pg), tt.status_in(*TAKEN_STATUSES),
+        .where(instance_in_ids(tt, pg), tt.status_in(*TAKEN_STATUSES),
                sa.or_(sa.tuple_(tt.key_text("instance_id"), tt.key_text("task_key")).in_(fresh),
                       depends_on_any(tt, t, done)))
         .subquery("pb_taken")
