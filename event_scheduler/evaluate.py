@@ -57,7 +57,7 @@ from bridge.core.settings import SchedulerSettings, TypeSettings
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import autocommit
-from bridge.tasktable.dispatch import ReadyTask, dispatch_many
+from bridge.tasktable.dispatch import ReadyTask, dispatch_many, skip_many
 from bridge.tasktable.tables import TaskTable
 from event_scheduler.metrics import SchedulerMetrics
 from event_scheduler.queries import EvaluatorQueries
@@ -104,6 +104,7 @@ class Evaluation:
     stopped: list[ReadyTask] = field(default_factory=list)
     timers: list[TimerSpec] = field(default_factory=list)
     unknown_instances: set[str] = field(default_factory=set)
+    skipped: list[Any] = field(default_factory=list)  # ids of tasks whose skip this evaluation propagated
 
 
 def backoff_delay(settings: TypeSettings, task_id: object, attempts: int) -> float:
@@ -260,9 +261,16 @@ class Evaluator:
                     self._depths.pop(i, None)
             result.unknown_instances = {i for i in finished if i not in present}
         ready: list[tuple[ReadyTask, str]] = []
+        skips: list[Any] = []
         st = self.tables.statuses
         for r in rows:
             if not r.live:
+                continue
+            if r.skip:
+                # A skip is the scheduler's decision too: only on the dispatching route (shadow phases write
+                # nothing to the task table).
+                if self.router.event_route(r.workflow_type, str(r.instance_id)) not in ("off", "shadow"):
+                    skips.append(r.task_id)
                 continue
             type_settings = self.settings.for_type(r.workflow_type)
             attempts = getattr(r, "attempts", None)
@@ -283,6 +291,12 @@ class Evaluator:
             elif status == "running" and self.timeouts and type_settings.running_timeout > 0:
                 result.timers.append(timeout_timer(type_settings, r.task_id, getattr(r, "updated_at", None),
                                                    r.workflow_type, str(r.instance_id)))
+        if skips:
+            if self._pg:
+                result.skipped.extend(skip_many(conn, self.tables, skips))
+            else:
+                with self.engine.begin() as wconn:
+                    result.skipped.extend(skip_many(wconn, self.tables, skips))
         ready.extend((task, "shadow") for task in self._taken(conn, rows, scopes))
         if ready:
             self._act(conn, ready, trace_ids, result)

@@ -27,7 +27,13 @@ from bridge.db.engine import db_now, millis_between
 from bridge.db.schema import decisions, dispatch_log
 from bridge.tasktable.dispatch import ReadyTask
 from bridge.tasktable.queries import type_of_row
-from bridge.tasktable.readiness import greatest, latest_dependency_completion, ready_predicate, ready_since
+from bridge.tasktable.readiness import (
+    greatest,
+    latest_dependency_completion,
+    ready_predicate,
+    ready_since,
+    skip_predicate,
+)
 from bridge.tasktable.tables import TaskTable
 
 #: The statuses a task the legacy scheduler took is in afterwards: in a shadow phase its decision is still
@@ -161,7 +167,10 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
                   # dispatch nor a timer.
                   (sa.case((tt.col("due_at", base) > db_now(tt.dialect_name), 1), else_=0) if tt.has("due_at")
                    else sa.literal(0)).label("pb_due_future"),
-                  base.c.pb_in_scope.label("pb_live"), base.c.pb_any_live.label("pb_any_live"))
+                  base.c.pb_in_scope.label("pb_live"), base.c.pb_any_live.label("pb_any_live"),
+                  # A skip to propagate (a mapping with a skipped status only; evaluated for in-scope rows).
+                  (sa.case((base.c.pb_in_scope == 0, 0), (skip_predicate(tt, base), 1), else_=0)
+                   if tt.statuses.of("skipped") else sa.literal(0)).label("pb_skip"))
         .where(sa.or_(base.c.pb_in_scope == 1, base.c.pb_rn == 1))
         .subquery("pb_eval")
     )
@@ -173,7 +182,7 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
             tt.col("task_key", inner).label("task_key"), tt.col("status", inner).label("status"),
             inner.c.pb_workflow_type.label("workflow_type"), *optional, inner.c.pb_ready.label("ready"),
             inner.c.pb_due_future.label("due_future"), inner.c.pb_live.label("live"),
-            inner.c.pb_any_live.label("any_live"),
+            inner.c.pb_any_live.label("any_live"), inner.c.pb_skip.label("skip"),
             sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
         )
         .order_by(tt.col("id", inner))

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection, Dialect
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now
 from bridge.db.schema import dispatch_log
-from bridge.tasktable.readiness import ready_predicate
+from bridge.tasktable.readiness import ready_predicate, skip_predicate
 from bridge.tasktable.tables import TaskTable
 
 Path = Literal["poller", "events", "fallback"]
@@ -150,6 +150,23 @@ def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> Drive
     run = DriverStatement(stmt, dialect)
     _PG_STATEMENTS[(id(tt), path)] = (tt, run)
     return run
+
+
+def skip_many(conn: Connection, tt: TaskTable, task_ids: Sequence[Any]) -> list[Any]:
+    """Propagate skips (:func:`~bridge.tasktable.readiness.skip_predicate`) inside the caller's transaction:
+    one compare-and-set UPDATE that moves each still-pending row whose rule can no longer hold to the
+    mapping's skipped status (its completion and update times stamped where mapped); returns the ids moved.
+    Its captured change wakes the task's dependents, so a skip travels down a branch not taken."""
+    if not task_ids:
+        return []
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("skipped")}
+    for logical in ("completed_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    stmt = (tt.tasks.update().where(tt.col("id").in_(list(task_ids)), skip_predicate(tt, tt.tasks))
+            .values(values).returning(tt.col("id")))
+    return list(conn.execute(stmt).scalars())
 
 
 def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace_id: str | None = None) -> bool:

@@ -90,7 +90,23 @@ def _dependency_rows(tt: TaskTable, t: sa.FromClause, name: str) -> tuple[sa.Fro
 
 
 def rule_satisfied(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool]:
-    """Whether task row ``t``'s dependencies satisfy its trigger rule (see the module docstring).
+    """Whether task row ``t``'s dependencies satisfy its trigger rule (see the module docstring)."""
+    return rule_verdict(tt, t) == 1
+
+
+def skip_predicate(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool]:
+    """Whether pending task row ``t`` is to be skipped, as Airflow propagates a skip: every dependency is
+    done, none failed, and its trigger rule can no longer hold (a join's side after a branch not taken,
+    under ``all_success``). Only for a mapping with a ``skipped`` status; a dependency that failed leaves
+    the task pending (Airflow's ``upstream_failed`` is the scheduler's own call, not pollbridge's)."""
+    if not tt.statuses.of("skipped"):
+        return sa.false()
+    return sa.and_(tt.status_in("pending", table=t), rule_verdict(tt, t) == 2)
+
+
+def rule_verdict(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
+    """1 when task row ``t``'s trigger rule holds, 2 when it cannot hold any more without a failure to
+    blame (every dependency done, none failed: :func:`skip_predicate`), else 0.
 
     One correlated aggregate over the dependency rows: how many there are and how many are in each
     done state; the rule (the task's column, else its edges' rule, else ``all_success``) picks the test."""
@@ -125,10 +141,11 @@ def rule_satisfied(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool]:
         "none_skipped": sa.and_(done == n, skipped == 0),
         "always": sa.true(),
     }
-    verdict = sa.case((n == 0, 1), *((rule == name, sa.case((test, 1), else_=0)) for name, test in tests.items()),
+    cannot = sa.case((sa.and_(done == n, failed == 0), 2), else_=0)
+    verdict = sa.case((n == 0, 1), *((rule == name, sa.case((test, 1), else_=cannot)) for name, test in tests.items()),
                       else_=0)
     q = sa.select(verdict).select_from(joined).where(where)
-    return q.correlate_except(joined).scalar_subquery() == 1
+    return q.correlate_except(joined).scalar_subquery()
 
 
 def ready_predicate(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool]:
