@@ -55,18 +55,19 @@ def blocks(mapping: TaskTableMapping) -> dict[str, str] | None:
 
 def install(conn: Connection, mapping: TaskTableMapping) -> bool:
     """Run the ``install`` block inside the caller's transaction; ``False`` without an install_sql file."""
-    found = blocks(mapping)
-    if found is None:
-        return False
-    conn.exec_driver_sql(found["install"])
-    return True
+    return _run(conn, mapping, "install")
 
 
 def uninstall(conn: Connection, mapping: TaskTableMapping) -> bool:
+    """Run the ``uninstall`` block inside the caller's transaction; ``False`` without an install_sql file."""
+    return _run(conn, mapping, "uninstall")
+
+
+def _run(conn: Connection, mapping: TaskTableMapping, block: str) -> bool:
     found = blocks(mapping)
     if found is None:
         return False
-    conn.exec_driver_sql(found["uninstall"])
+    conn.exec_driver_sql(found[block])
     return True
 
 
