@@ -49,7 +49,7 @@ def test_without_install_sql_there_is_nothing() -> None:
 def test_a_file_that_is_not_fit_is_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "x.sql"
     path.write_text(text)
-    with pytest.raises(ConfigError, match="mapping.install_sql") as info:
+    with pytest.raises(ConfigError, match=r"mapping\.install_sql") as info:
         usersql.blocks(_mapping(path))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
