@@ -71,6 +71,7 @@ import psycopg
 from bench.common import PG_ADMIN_URL, latency_summary, machine, write_json
 from bridge.reference.oracle import percentile
 from tests.support.airflow import (
+    FIRST_TRIES_CTE,
     READINESS_SQL,
     REPO,
     SHAPE_DAGS,
@@ -103,17 +104,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: ``pollbridge_outbox``, the database clock inside Airflow's own transaction; NULL once the relay's retention
 #: window purged the row): the earliest moment pollbridge could know, which splits the decision latency into
 #: Airflow's part (end_date → its write of the state) and pollbridge's (that write → the decision).
-BESIDE_SQL = """
-WITH tries AS (
-  SELECT dag_id, run_id, task_id, map_index, try_number, scheduled_dttm, dag_version_id
-    FROM task_instance WHERE queued_dttm IS NOT NULL
-  UNION ALL
-  SELECT dag_id, run_id, task_id, map_index, try_number, scheduled_dttm, dag_version_id
-    FROM task_instance_history WHERE queued_dttm IS NOT NULL
-), first_try AS (
-  SELECT DISTINCT ON (dag_id, run_id, task_id, map_index) *
-    FROM tries ORDER BY dag_id, run_id, task_id, map_index, try_number
-), ready AS (
+BESIDE_SQL = FIRST_TRIES_CTE + """, ready AS (
   SELECT f.dag_id, f.run_id, f.task_id, f.map_index, f.scheduled_dttm, max(up.end_date) AS upstream_end,
          max(c.captured_at) AS captured_at
     FROM first_try f

@@ -187,13 +187,8 @@ ORDER BY 2, 3, 4, 5, 6
 """
 
 
-#: Airflow's own readiness latency, per dispatched task that has upstream tasks: the first try's
-#: ``scheduled_dttm`` (the scheduler found it ready) minus the latest ``end_date`` of its upstream task instances
-#: in the same run (when the last of them finished: success, or skipped by a branch). Needs pollbridge's views
-#: (the edges come from ``pollbridge_airflow_edges``, keyed by the try's dag_version_id). Tasks without an
-#: upstream (ready when their run is created) are left out.
-READINESS_SQL = """
-WITH tries AS (
+#: The first try of every task instance Airflow dispatched (``first_try``), as a ``WITH`` clause.
+FIRST_TRIES_CTE = """WITH tries AS (
   SELECT dag_id, run_id, task_id, map_index, try_number, scheduled_dttm, dag_version_id
     FROM task_instance WHERE queued_dttm IS NOT NULL
   UNION ALL
@@ -202,7 +197,15 @@ WITH tries AS (
 ), first_try AS (
   SELECT DISTINCT ON (dag_id, run_id, task_id, map_index) *
     FROM tries ORDER BY dag_id, run_id, task_id, map_index, try_number
-)
+)"""
+
+
+#: Airflow's own readiness latency, per dispatched task that has upstream tasks: the first try's
+#: ``scheduled_dttm`` (the scheduler found it ready) minus the latest ``end_date`` of its upstream task instances
+#: in the same run (when the last of them finished: success, or skipped by a branch). Needs pollbridge's views
+#: (the edges come from ``pollbridge_airflow_edges``, keyed by the try's dag_version_id). Tasks without an
+#: upstream (ready when their run is created) are left out.
+READINESS_SQL = FIRST_TRIES_CTE + """
 SELECT f.dag_id, f.run_id, f.task_id, EXTRACT(EPOCH FROM f.scheduled_dttm - max(up.end_date))::float8
   FROM first_try f
   JOIN pollbridge_airflow_edges e ON e.dag_version_id = f.dag_version_id AND e.task_id = f.task_id
