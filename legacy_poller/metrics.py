@@ -28,6 +28,10 @@ class PollerMetrics:
         self.retries = Counter(
             "pollbridge_poller_repended", "Failed tasks with attempts left put back to pending", registry=registry
         )
+        self.timeouts = Counter(
+            "pollbridge_poller_timeouts", "Tasks running longer than [poller] running_timeout, failed",
+            registry=registry,
+        )
         self.sweeps = Counter("pollbridge_poller_sweeps", "Safety sweeps over cutover types", registry=registry)
         self.fallback_misses = Counter(
             "pollbridge_fallback_misses",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -32,7 +32,7 @@ from bridge.flags.router import FlagRouter
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.metrics import PollerMetrics
-from legacy_poller.queries import repend_failed_statement, scan_statement
+from legacy_poller.queries import repend_failed_statement, scan_statement, time_out_running_statement
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ScanResult:
     repended: int
     seconds: float
     fallback: int = 0
+    timed_out: int = 0
 
 
 class LegacyPoller:
@@ -59,13 +60,18 @@ class LegacyPoller:
         registry: CollectorRegistry | None = None,
         retry_failed: bool = True,
         router: FlagRouter | None = None,
+        running_timeout: float = 0.0,
     ) -> None:
+        """``running_timeout`` (``[poller] running_timeout``): fail a task of the poller's share running longer
+        than that many seconds, as the platform's own scheduler does with a task whose worker died (0: never;
+        needs ``updated_at``). The event path times out the tasks it owns itself."""
         self.engine = engine
         self.tables = tables
         self.batch_size = batch_size
         self.retry_failed = retry_failed and tables.has("attempts") and tables.has("max_attempts")
         self.metrics = PollerMetrics(registry if registry is not None else CollectorRegistry())
         self.router = router
+        self.running_timeout = running_timeout if tables.has("updated_at") else 0.0
         self._scans: dict[tuple[str, frozenset[Flag]], sa.Select[Any] | None] = {}
 
     def _flags(self) -> dict[str, Flag]:
@@ -88,12 +94,13 @@ class LegacyPoller:
     def scan_once(self) -> ScanResult:
         """Scan until a batch comes back short; dispatch everything the flags let it (see the module doc)."""
         flags = self._flags()
+        timed_out = self._time_out_running(flags) if self.running_timeout > 0 else 0
         repended = self._repend_failed(flags) if self.retry_failed else 0
         result = self._run("scan", flags, repended)
         self.metrics.scans.inc()
         if result.ready == 0:
             self.metrics.empty_scans.inc()
-        return result
+        return replace(result, timed_out=timed_out) if timed_out else result
 
     def sweep_once(self) -> ScanResult:
         """The safety sweep: dispatch tasks of ``cutover`` types still ready after their grace period
@@ -156,4 +163,15 @@ class LegacyPoller:
         with self.engine.begin() as conn:
             count = conn.execute(stmt).rowcount
         self.metrics.retries.inc(count)
+        return count
+
+    def _time_out_running(self, flags: dict[str, Flag]) -> int:
+        """The legacy scheduler's running timeout: a task of its share running too long is failed (then
+        re-pended by the retry, attempts permitting)."""
+        stmt = time_out_running_statement(self.tables, flags, self.running_timeout)
+        with self.engine.begin() as conn:
+            count = conn.execute(stmt).rowcount
+        if count:
+            self.metrics.timeouts.inc(count)
+            log.info("%d task(s) ran longer than %g s: failed", count, self.running_timeout)
         return count

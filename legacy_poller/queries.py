@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bridge.core.phases import Flag
-from bridge.db.engine import db_now
+from bridge.db.engine import db_ago, db_now
 from bridge.tasktable.readiness import ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.routing import owned_by_events, scan_filter, sweep_filter
@@ -78,5 +78,21 @@ def repend_failed_statement(tt: TaskTable, flags: Mapping[str, Flag]) -> sa.Upda
     where = [tt.status_in("failed"), tt.col("attempts") < tt.col("max_attempts")]
     owned = owned_by_events(tt, tt.tasks, flags)
     if owned is not None:  # the event scheduler retries those, with its backoff
+        where.append(sa.not_(owned))
+    return tt.tasks.update().where(*where).values(values)
+
+
+def time_out_running_statement(tt: TaskTable, flags: Mapping[str, Flag], timeout: float) -> sa.Update:
+    """The legacy scheduler's running timeout: every task running (by ``updated_at``) for longer than
+    ``timeout`` seconds to failed, its completion and update times stamped by the database, except those
+    the event path owns by the flags (its own timers time those out). Needs the ``updated_at`` column."""
+    now = db_now(tt.dialect_name)
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("failed")}
+    for logical in ("completed_at", "updated_at"):
+        if tt.has(logical):
+            values[getattr(tt.mapping.columns, logical)] = now
+    where = [tt.status_in("running"), tt.col("updated_at") <= db_ago(tt.dialect_name, timeout)]
+    owned = owned_by_events(tt, tt.tasks, flags)
+    if owned is not None:
         where.append(sa.not_(owned))
     return tt.tasks.update().where(*where).values(values)

@@ -63,10 +63,12 @@ ENV_BUS_URL = "POLLBRIDGE_BUS_URL"
 class PollerSettings:
     interval: float = 10.0
     batch_size: int = 500
+    running_timeout: float = 0.0     # the reference poller fails a task of its share running longer; 0 = never
 
     def __post_init__(self) -> None:
         _positive(self.interval, "poller.interval")
         _positive(self.batch_size, "poller.batch_size", integer=True)
+        _non_negative(self.running_timeout, "poller.running_timeout")
 
 
 @dataclass(frozen=True)
@@ -424,7 +426,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
     capture = _table(raw, "capture", {"wake", "relay_partitions"})
     relay = _table(raw, "relay", {f.name for f in fields(RelaySettings)})
     scheduler = _scheduler_settings(raw)
-    poller = _table(raw, "poller", {"interval", "batch_size"})
+    poller = _table(raw, "poller", {"interval", "batch_size", "running_timeout"})
     workers = _table(raw, "workers", {"concurrency", "min_duration", "max_duration", "failure_rate",
                                       "idle_sleep"})
     router = _table(raw, "router", {f.name for f in fields(RouterSettings)})

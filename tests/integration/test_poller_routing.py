@@ -302,3 +302,37 @@ def test_rollback_reaches_the_poller_within_one_refresh_interval(engine: Engine,
     store.change("reports", "polling", actor="t", reason="back", action="rollback")
     time.sleep(0.25)
     assert poller.scan_once().dispatched == 1
+
+
+def test_running_timeout_fails_only_the_pollers_share(engine: Engine, tables: TaskTable) -> None:
+    """A worker that died leaves its task running: the reference poller (``[poller] running_timeout``) fails it
+    where it is authoritative (here ``polling`` and ``dual_write``, where the event path writes nothing), and
+    leaves a cutover type's and a selective canary's to the event scheduler, a task running for less than the
+    timeout to its worker; the retry then re-pends it (attempts permitting)."""
+    canary, outside = _split("etl", 50.0, 1, "etl")
+    _seed(engine, tables, _specs("orders", ["o-0"]) + _specs("reports", ["r-0"]) + _specs("billing", ["b-0"])
+          + _specs("etl", canary + outside))
+    t = tables.tasks
+    old = datetime.now(UTC) - timedelta(seconds=120)
+    with engine.begin() as conn:
+        conn.execute(t.update().values(status="running", attempts=1, max_attempts=3, updated_at=old))
+        conn.execute(t.update().where(t.c.instance_id == "b-0").values(updated_at=datetime.now(UTC)))
+    store, router = _router(engine)
+    store.change("orders", "cutover", actor="t", reason="r")
+    store.change("reports", "dual_write", actor="t", reason="r")
+    store.change("etl", "selective", actor="t", reason="r", percent=50, grace_seconds=60)
+    router.refresh()
+
+    untimed, _ = _poller(engine, tables, router)
+    assert untimed.scan_once().timed_out == 0  # off by default: the platform's own timeout, if any
+    assert set(_status(engine, tables).values()) == {"running"}
+
+    poller, registry = _poller(engine, tables, router, running_timeout=60, retry_failed=False)
+    assert poller.scan_once().timed_out == 2
+    assert _status(engine, tables) == {"o-0": "running", "r-0": "failed", "b-0": "running",
+                                       canary[0]: "running", outside[0]: "failed"}
+    assert registry.get_sample_value("pollbridge_poller_timeouts_total") == 2
+    with engine.connect() as conn:
+        completed = conn.execute(sa.select(t.c.completed_at).where(t.c.instance_id == "r-0")).scalar_one()
+    assert completed is not None and _aware(completed) > old
+    assert poller.scan_once().timed_out == 0  # failed once: nothing left to time out

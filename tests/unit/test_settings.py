@@ -91,6 +91,9 @@ def test_partial_file_keeps_other_defaults(tmp_path: Path) -> None:
     settings = load_settings(path, environ={})
     assert settings.poller.interval == 3
     assert settings.poller.batch_size == 500
+    assert settings.poller.running_timeout == 0
+    assert load_settings(_write(tmp_path / "t.toml", "[poller]\nrunning_timeout = 5\n"),
+                         environ={}).poller.running_timeout == 5
     assert settings.database_url == DEFAULT_DATABASE_URL
     assert settings.workers == WorkerSettings()
 
@@ -321,6 +324,7 @@ def test_max_duration_below_min_duration_is_rejected() -> None:
         ("[poller]\ninterval = true\n", "poller.interval"),
         ("[workers]\nfailure_rate = 2\n", "workers.failure_rate"),
         ("[poller]\nbatch_size = 2.5\n", "poller.batch_size"),
+        ("[poller]\nrunning_timeout = -5\n", "poller.running_timeout"),
     ],
 )
 def test_wrong_values_in_toml_file(tmp_path: Path, toml: str, word: str) -> None:

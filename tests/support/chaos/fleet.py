@@ -62,6 +62,7 @@ grace = 3
 sweep_interval = 2
 [poller]
 interval = 0.5
+running_timeout = 5
 [workers]
 concurrency = 4
 min_duration = 0.005
