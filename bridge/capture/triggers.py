@@ -51,6 +51,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import NoSuchTableError
 
 from bridge.core.errors import MappingMismatch
+from bridge.core.mapping import RelatedTable
 from bridge.core.settings import WAKE_MODES, WakeMode
 from bridge.db.sqlblocks import render, sql_literal
 from bridge.tasktable.tables import TaskTable
@@ -229,87 +230,147 @@ def capture_target(conn: Connection, tt: TaskTable) -> sa.Table:
         raise MappingMismatch(f"table {relation.name if relation else m.table!r} named by mapping.table does not "
                               "exist in the database; capture needs it (reads go through mapping.read_table "
                               f"{m.read_table!r})") from None
-    for logical in _CAPTURED:
-        for column in m.columns.parts(logical):
-            if column not in base_table.c:
-                raise MappingMismatch(
-                    f"column {column!r} (mapping.columns.{logical}) does not exist in table {m.table!r}, which "
-                    f"capture sits on (reads go through {m.read_table!r}); existing columns: "
-                    f"{', '.join(base_table.c.keys())}")
+    # The id must be on the base table (the row a change happened to); any other captured column the base
+    # lacks (a status joined from another table, a key computed by the view) is read through the view by id.
+    if m.columns.id not in base_table.c:
+        raise MappingMismatch(
+            f"column {m.columns.id!r} (mapping.columns.id) does not exist in table {m.table!r}, which capture "
+            f"sits on (reads go through {m.read_table!r}); existing columns: {', '.join(base_table.c.keys())}")
     return base_table
+
+
+def related_targets(conn: Connection, tt: TaskTable) -> list[tuple[RelatedTable, sa.Table]]:
+    """The ``[[mapping.related]]`` tables with their reflected columns, each checked: a table (not a view),
+    its ``match`` and ``watch`` columns present, the ``match`` task columns present in the read table.
+    Raises :class:`MappingMismatch` (one line) otherwise."""
+    out: list[tuple[RelatedTable, sa.Table]] = []
+    for related in tt.mapping.related:
+        relation = _relation(conn, related.table, related.schema)
+        name = f"{related.schema}.{related.table}" if related.schema else related.table
+        if relation is None:
+            raise MappingMismatch(f"table {name!r} named by mapping.related does not exist in the database")
+        if relation.kind != "table":
+            raise MappingMismatch(f"mapping.related table {name!r} is a {relation.kind}: capture needs a base table")
+        table = sa.Table(related.table, sa.MetaData(), schema=related.schema, autoload_with=conn)
+        for task_column, related_column in related.match:
+            if task_column not in tt.tasks.c:
+                raise MappingMismatch(f"column {task_column!r} (mapping.related {name!r} match) does not exist in "
+                                      f"{tt.tasks.name!r}; existing columns: {', '.join(tt.tasks.c.keys())}")
+            if related_column not in table.c:
+                raise MappingMismatch(f"column {related_column!r} (mapping.related {name!r} match) does not exist in "
+                                      f"{name!r}; existing columns: {', '.join(table.c.keys())}")
+        for column in related.watch:
+            if column not in table.c:
+                raise MappingMismatch(f"column {column!r} (mapping.related {name!r} watch) does not exist in "
+                                      f"{name!r}; existing columns: {', '.join(table.c.keys())}")
+        out.append((related, table))
+    return out
+
+
+def related_names(index: int) -> tuple[str, tuple[str, str]]:
+    """The capture function and the (insert, update) trigger names of the ``index``-th related table (from 1)."""
+    base = f"{FUNCTION_NAME}_r{index}"
+    return base, (f"{base}_insert", f"{base}_update")
 
 
 # --- the generated SQL ----------------------------------------------------------------------------------
 
-def _key_text(conn: Connection, tt: TaskTable, logical: str, row: str = "NEW") -> str:
-    """The text form of a (maybe composite) key of ``row``: what :meth:`TaskTable.key_text` computes."""
-    parts = [f"CAST({row}.{_q(conn, c)} AS TEXT)" for c in tt.mapping.columns.parts(logical)]
-    return " || '/' || ".join(parts)
+Columns = dict[str, str]  # a mapped column -> the SQL reading it for the captured row
 
 
-def _placeholders(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeMode,
-                  relay_partitions: int) -> dict[str, str]:
+def _key_text(tt: TaskTable, logical: str, read: Columns) -> str:
+    """The text form of a (maybe composite) key of the captured row: what :meth:`TaskTable.key_text` computes."""
+    return " || '/' || ".join(f"CAST({read[c]} AS TEXT)" for c in tt.mapping.columns.parts(logical))
+
+
+def _row_columns(conn: Connection, tt: TaskTable, target: sa.Table, view: str | None) -> Columns:
+    """How the main capture reads each captured column: ``NEW.column`` where the captured table has it, else
+    through the read view by the row's id (a status joined from another table, a key the view computes)."""
     cols = tt.mapping.columns
+    out: Columns = {}
+    for logical in _CAPTURED:
+        for column in cols.parts(logical):
+            if column in target.c:
+                out[column] = f"NEW.{_q(conn, column)}"
+            else:
+                assert view is not None  # capture_target: only the id must be on the base table
+                out[column] = (f"(SELECT pb_v.{_q(conn, column)} FROM {view} pb_v "
+                               f"WHERE pb_v.{_q(conn, cols.id)} = NEW.{_q(conn, cols.id)})")
+    return out
 
-    def q(name: str) -> str:
-        return _q(conn, name)
 
+def _values(conn: Connection, tt: TaskTable, read: Columns, types: sa.Table) -> dict[str, str]:
+    """The SQL of each outbox value of the captured task row (``read``: how each column is read)."""
+    cols = tt.mapping.columns
     pg = conn.dialect.name == "postgresql"
-    instance_key = _key_text(conn, tt, "instance_id")
+    instance_key = _key_text(tt, "instance_id", read)
     if cols.workflow_type:
-        type_expr = f"CAST(NEW.{q(cols.workflow_type)} AS TEXT)"
+        type_expr = f"CAST({read[cols.workflow_type]} AS TEXT)"
     else:
         inst = tt.mapping.instances
         assert inst is not None and tt.instances is not None
         instances = _pg_qualified(conn, tt.instances) if pg else _table_sql(conn, tt.instances)
         if cols.composite("instance_id"):  # the instances' id holds the key's text form
-            match = f"CAST(pb_i.{q(inst.id)} AS TEXT) = {instance_key}"
+            match = f"CAST(pb_i.{_q(conn, inst.id)} AS TEXT) = {instance_key}"
         else:
-            match = f"pb_i.{q(inst.id)} = NEW.{q(cols.parts('instance_id')[0])}"
-        type_expr = f"(SELECT CAST(pb_i.{q(inst.workflow_type)} AS TEXT) FROM {instances} pb_i WHERE {match})"
-    watched = [(kind, column) for kind, logical in WATCHED if (column := getattr(cols, logical))]
-    if pg:
-        # As text: any column type compares, with no operator looked up on the (pinned) search path.
-        changed = [f"CAST(OLD.{q(c)} AS TEXT) IS DISTINCT FROM CAST(NEW.{q(c)} AS TEXT)" for _, c in watched]
-    else:
-        changed = [f"OLD.{q(c)} IS NOT NEW.{q(c)}" for _, c in watched]
-    change_kind = "CASE " + " ".join(f"WHEN {test} THEN '{kind}'" for test, (kind, _) in zip(
-        changed, watched, strict=True)) + " END"
+            match = f"pb_i.{_q(conn, inst.id)} = {read[cols.parts('instance_id')[0]]}"
+        type_expr = f"(SELECT CAST(pb_i.{_q(conn, inst.workflow_type)} AS TEXT) FROM {instances} pb_i WHERE {match})"
     attempt = "NULL"
     if cols.attempts:
-        attempt = f"CAST(NEW.{q(cols.attempts)} AS INTEGER)"
-        stored = target.c[cols.attempts].type
+        attempt = f"CAST({read[cols.attempts]} AS INTEGER)"
+        stored = (types.c[cols.attempts] if cols.attempts in types.c else tt.tasks.c[cols.attempts]).type
         if pg and (not isinstance(stored, sa.Integer) or isinstance(stored, sa.BigInteger)):
             # A cast that could fail (a bigint past the integer range, a text column) would fail the scheduler's
             # write: such a value is captured as no attempt instead.
-            text = f"CAST(NEW.{q(cols.attempts)} AS TEXT)"
+            text = f"CAST({read[cols.attempts]} AS TEXT)"
             attempt = f"CASE WHEN {text} ~ '^[0-9]{{1,9}}$' THEN CAST({text} AS INTEGER) END"
-    values = {
-        "table": _pg_qualified(conn, target) if pg else _table_sql(conn, target),
-        "id": q(cols.id),
+    return {
+        "id_text": f"CAST({read[cols.id]} AS TEXT)",
         "instance_key": instance_key,
-        "task_key": _key_text(conn, tt, "task_key"),
-        "status": q(cols.status),
+        "task_key": _key_text(tt, "task_key", read),
+        "new_status": f"CAST({read[cols.status]} AS TEXT)",
         "type_expr": type_expr,
-        "change_kind": change_kind,
         "attempt": attempt,
+        "partition_key": instance_key,
     }
-    if not pg:
-        return values
+
+
+def _change_kind(conn: Connection, watched: list[tuple[str, str]]) -> str:
+    """The kind of an update: the first watched column (kind, column) that changed, else NULL."""
+    if conn.dialect.name == "postgresql":
+        # As text: any column type compares, with no operator looked up on the (pinned) search path.
+        changed = [f"CAST(OLD.{_q(conn, c)} AS TEXT) IS DISTINCT FROM CAST(NEW.{_q(conn, c)} AS TEXT)"
+                   for _, c in watched]
+    else:
+        changed = [f"OLD.{_q(conn, c)} IS NOT NEW.{_q(conn, c)}" for _, c in watched]
+    return "CASE " + " ".join(f"WHEN {test} THEN '{kind}'" for test, (kind, _) in zip(
+        changed, watched, strict=True)) + " END"
+
+
+def _read_view(conn: Connection, tt: TaskTable) -> str | None:
+    """The read relation's SQL name when reads go through a view (else None)."""
+    if tt.mapping.read_table is None or tt.mapping.read_table == tt.mapping.table:
+        return None
+    return _pg_qualified(conn, tt.tasks) if conn.dialect.name == "postgresql" else _table_sql(conn, tt.tasks)
+
+
+def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_partitions: int, *,
+               many: bool) -> dict[str, str]:
+    """The PostgreSQL-only placeholders: function home, pinned search path, outbox, partition, wake-up."""
     schema = pollbridge_schema(conn)
-    prep = conn.dialect.identifier_preparer
-    home = prep.quote_schema(schema)
+    home = conn.dialect.identifier_preparer.quote_schema(schema)
     partition_expr = "0"
     if relay_partitions > 1:
-        partition_expr = f"mod(hashtext({instance_key}) & 2147483647, {int(relay_partitions)})"
+        partition_expr = f"mod(hashtext({values['partition_key']}) & 2147483647, {int(relay_partitions)})"
     notify = ""
     if wake == "notify":
         notify = render("postgresql", "notify_always")
     elif wake == "adaptive":
-        notify = render("postgresql", "notify_when_armed", relay_state=f"{home}.pollbridge_relay_state")
+        # A related change may concern tasks of several relay partitions: wake if any relay is armed.
+        notify = render("postgresql", "notify_when_any_armed" if many else "notify_when_armed",
+                        relay_state=f"{home}.pollbridge_relay_state")
     return {
-        **values,
-        "function": f"{home}.{FUNCTION_NAME}",
+        "home": home,
         # pg_catalog first and pg_temp last: nothing of the writer's session can stand in for what it names.
         "search_path": f"pg_catalog, {home}, pg_temp",
         "outbox": f"{home}.pollbridge_outbox",
@@ -318,14 +379,72 @@ def _placeholders(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeM
     }
 
 
+def _placeholders(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeMode,
+                  relay_partitions: int) -> dict[str, str]:
+    cols = tt.mapping.columns
+    pg = conn.dialect.name == "postgresql"
+    read = _row_columns(conn, tt, target, _read_view(conn, tt))
+    values = _values(conn, tt, read, target)
+    # Only the captured table's own columns can be compared (a joined status changes with its related table).
+    watched = [(kind, column) for kind, logical in WATCHED
+               if (column := getattr(cols, logical)) and column in target.c]
+    status_column = cols.status if cols.status in target.c else None
+    values.update({
+        "table": _pg_qualified(conn, target) if pg else _table_sql(conn, target),
+        "change_kind": _change_kind(conn, watched) if watched else "NULL",
+        "old_status": f"CAST(OLD.{_q(conn, status_column)} AS TEXT)" if status_column else "NULL",
+    })
+    if not pg:
+        return values
+    extra = _pg_values(conn, values, wake, relay_partitions, many=False)
+    return {**values, **extra, "function": f"{extra['home']}.{FUNCTION_NAME}"}
+
+
+def _related_placeholders(conn: Connection, tt: TaskTable, index: int, related: RelatedTable, table: sa.Table,
+                          wake: WakeMode, relay_partitions: int) -> dict[str, str]:
+    """The placeholders of the ``index``-th related table's capture: every task row of the read relation
+    (alias ``pb_r``) matching the changed row."""
+    pg = conn.dialect.name == "postgresql"
+    read = {c: f"pb_r.{_q(conn, c)}" for c in tt.tasks.c}
+    values = _values(conn, tt, read, tt.tasks)
+    relation = _pg_qualified(conn, table) if pg else _table_sql(conn, table)
+    reads = _pg_qualified(conn, tt.tasks) if pg else _table_sql(conn, tt.tasks)
+    function, (insert_name, update_name) = related_names(index)
+    values.update({
+        "related": relation,
+        "read": reads,
+        "match": " AND ".join(f"pb_r.{_q(conn, t)} = NEW.{_q(conn, r)}" for t, r in related.match),
+        "change_kind": _change_kind(conn, [("status", c) for c in related.watch]),
+        "insert_trigger": insert_name,
+        "update_trigger": update_name,
+    })
+    if not pg:
+        return values
+    extra = _pg_values(conn, values, wake, relay_partitions, many=True)
+    return {**values, **extra, "function": f"{extra['home']}.{function}"}
+
+
 def _statements(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeMode,
                 relay_partitions: int) -> tuple[list[str], dict[str, str]]:
-    """The generated capture SQL (function and triggers, in order) and the placeholders it was filled with."""
+    """The generated capture SQL (function and triggers, in order; then each related table's) and the main
+    capture's placeholders."""
     values = _placeholders(conn, tt, target, wake, relay_partitions)
     dialect = conn.dialect.name
-    blocks = ("capture_function", "insert_trigger", "update_trigger") if dialect == "postgresql" \
-        else ("insert_trigger", "update_trigger")
-    return [render(dialect, block, **values) for block in blocks], values
+    pg = dialect == "postgresql"
+    blocks = ("capture_function", "insert_trigger", "update_trigger") if pg else ("insert_trigger", "update_trigger")
+    statements = [render(dialect, block, **values) for block in blocks]
+    for index, (related, table) in enumerate(related_targets(conn, tt), start=1):
+        rv = _related_placeholders(conn, tt, index, related, table, wake, relay_partitions)
+        blocks = ("related_function", "related_insert_trigger", "related_update_trigger") if pg \
+            else ("related_insert_trigger", "related_update_trigger")
+        statements += [render(dialect, block, **rv) for block in blocks]
+    return statements, values
+
+
+def _functions(conn: Connection, tt: TaskTable, values: dict[str, str]) -> list[str]:
+    """Every capture function the statements create (PostgreSQL): the main one, then each related table's."""
+    home = values["function"].rsplit(".", 1)[0]
+    return [values["function"], *(f"{home}.{related_names(i)[0]}" for i in range(1, len(tt.mapping.related) + 1))]
 
 
 def fingerprint(statements: list[str]) -> str:
@@ -334,17 +453,20 @@ def fingerprint(statements: list[str]) -> str:
 
 
 def install_capture(conn: Connection, tt: TaskTable, *, wake: WakeMode = "adaptive", relay_partitions: int = 1) -> None:
-    """(Re)create the capture triggers for the mapping, inside the caller's transaction."""
+    """(Re)create the capture triggers for the mapping (and its related tables), inside the caller's
+    transaction."""
     if wake not in WAKE_MODES:
         raise ValueError(f"unknown wake mode {wake!r}")
     target = capture_target(conn, tt)
+    related_targets(conn, tt)  # every related table checked before anything is dropped
     remove_capture(conn)
     statements, values = _statements(conn, tt, target, wake, relay_partitions)
     for statement in statements:
         conn.exec_driver_sql(statement)
     if conn.dialect.name == "postgresql":
         comment = f"{COMMENT_PREFIX} sha256:{fingerprint(statements)} wake:{wake} relay_partitions:{relay_partitions}"
-        conn.exec_driver_sql(render("postgresql", "revoke_function", function=values["function"]))
+        for function in _functions(conn, tt, values):
+            conn.exec_driver_sql(render("postgresql", "revoke_function", function=function))
         conn.exec_driver_sql(render("postgresql", "comment_function", function=values["function"],
                                     comment=sql_literal(comment)))
 
@@ -372,53 +494,67 @@ def remove_capture(conn: Connection) -> list[str]:
     return dropped
 
 
+def _present(conn: Connection, table: sa.Table) -> dict[str, Any]:
+    """pollbridge's triggers on ``table``, by name (PostgreSQL rows: name, enabled, function, comment;
+    SQLite rows: name, sql)."""
+    if conn.dialect.name == "postgresql":
+        rows = conn.execute(sa.text(render("postgresql", "capture_triggers_on")),
+                            {"table": _pg_qualified(conn, table)}).all()
+    else:
+        master = f"{_q(conn, table.schema)}.sqlite_master" if table.schema else "sqlite_master"
+        rows = conn.execute(sa.text(f"SELECT name, sql FROM {master} WHERE type = 'trigger' AND tbl_name = :table"),
+                            {"table": table.name}).all()
+    return {str(r.name): r for r in rows}
+
+
 def capture_status(conn: Connection, tt: TaskTable, *, wake: WakeMode | None = None,
                    relay_partitions: int | None = None) -> tuple[bool, str]:
-    """Whether the capture on the mapped task table is installed, enabled and current (for doctor, preflight and
-    the dual_write gate): one line, saying what to run when it is not.
+    """Whether the capture on the mapped task table (and on each related table) is installed, enabled and
+    current (for doctor, preflight and the dual_write gate): one line, saying what to run when it is not.
 
     *Current* means the installed SQL is what the mapping and the ``[capture]`` settings generate now; a
     ``wake`` or ``relay_partitions`` not given is taken from what the installed function records."""
     try:
         target = capture_target(conn, tt)
+        related = related_targets(conn, tt)
     except MappingMismatch as exc:
         return False, str(exc)
-    name = tt.mapping.table
     pg = conn.dialect.name == "postgresql"
+    prefix = target.schema + "." if target.schema and not pg else ""
+    name = prefix + tt.mapping.table
+    where: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [(name, TRIGGER_NAMES, _present(conn, target))]
+    for index, (r, table) in enumerate(related, start=1):
+        where.append((f"{r.schema}.{r.table}" if r.schema else r.table, related_names(index)[1], _present(conn, table)))
+    everything: list[Any] = []
+    for on, names, present in where:
+        missing = [n for n in names if n not in present]
+        if missing:
+            return False, f"capture trigger(s) missing on {on!r}: {', '.join(missing)}; run `pollbridge init`"
+        if pg:
+            # 'D': disabled; 'R': fires only while session_replication_role = replica, so not for the scheduler.
+            disabled = [n for n in names if present[n].enabled in ("D", "R")]
+            if disabled:
+                return False, (f"capture trigger(s) disabled on {on!r}: {', '.join(disabled)} (changes are not "
+                               "captured); run `pollbridge init` to re-create them enabled")
+            if any(present[n].function != present[names[0]].function for n in names):
+                return False, _outdated(on)
+        everything += [present[n] for n in names]
+    on_tables = f"{name!r}" + "".join(f", {w[0]!r}" for w in where[1:])
     if pg:
-        qualified = _pg_qualified(conn, target)
-        rows = conn.execute(sa.text(render("postgresql", "capture_triggers_on")), {"table": qualified}).all()
-        present = {str(r.name): r for r in rows}
-    else:
-        prefix = target.schema + "." if target.schema else ""
-        master = f"{_q(conn, target.schema)}.sqlite_master" if target.schema else "sqlite_master"
-        rows = conn.execute(sa.text(f"SELECT name, sql FROM {master} WHERE type = 'trigger' AND tbl_name = :table"),
-                            {"table": target.name}).all()
-        present = {str(r.name): r for r in rows}
-        name = prefix + name
-    missing = [n for n in TRIGGER_NAMES if n not in present]
-    if missing:
-        return False, f"capture trigger(s) missing on {name!r}: {', '.join(missing)}; run `pollbridge init`"
-    if pg:
-        # 'D': disabled; 'R': fires only while session_replication_role = replica, so not for the scheduler.
-        disabled = [n for n in TRIGGER_NAMES if present[n].enabled in ("D", "R")]
-        if disabled:
-            return False, (f"capture trigger(s) disabled on {name!r}: {', '.join(disabled)} (changes are not "
-                           "captured); run `pollbridge init` to re-create them enabled")
-        recorded = _COMMENT.match(str(present[TRIGGER_NAMES[0]].comment or ""))
-        if recorded is None or any(present[n].function != present[TRIGGER_NAMES[0]].function for n in TRIGGER_NAMES):
-            return False, _outdated(name)
-        mode = wake or recorded.group(2)
-        if mode not in WAKE_MODES:
+        main = where[0][2][TRIGGER_NAMES[0]]
+        recorded = _COMMENT.match(str(main.comment or ""))
+        mode = wake or (recorded.group(2) if recorded else "")
+        if recorded is None or mode not in WAKE_MODES:
             return False, _outdated(name)
         statements, _ = _statements(conn, tt, target, mode, relay_partitions or int(recorded.group(3)))
         if fingerprint(statements) != recorded.group(1):
             return False, _outdated(name)
-        return True, f"capture triggers installed on {name!r} and current (wake-up: {mode})"
+        return True, f"capture triggers installed on {on_tables} and current (wake-up: {mode})"
     statements, _ = _statements(conn, tt, target, "poll", 1)
-    if [str(present[n].sql).strip() for n in TRIGGER_NAMES] != [s.strip() for s in statements]:
+    triggers = [s for s in statements if s.lstrip().upper().startswith("CREATE TRIGGER")]
+    if [str(r.sql).strip() for r in everything] != [s.strip() for s in triggers]:
         return False, _outdated(name)
-    return True, f"capture triggers installed on {name!r} and current"
+    return True, f"capture triggers installed on {on_tables} and current"
 
 
 def _outdated(name: str) -> str:

@@ -160,6 +160,9 @@ class TaskColumns:
     max_attempts: str | None = "max_attempts"
     workflow_type: str | None = None
     trigger_rule: str | None = None
+    #: When the row's latest change committed (a view's ``pg_xact_commit_timestamp(xmin)``, say): the task's
+    #: ready time is floored at it, for engines that stamp ``completed_at`` before they commit.
+    committed_at: str | None = None
 
     REQUIRED = ("id", "instance_id", "task_key", "status")
     #: Logical keys that may be made of several columns (``instance_id = ["dag_id", "run_id"]``).
@@ -265,6 +268,58 @@ class EdgesTable:
         object.__setattr__(self, "match", tuple(validate_identifier(m, "mapping.dependencies.match") for m in match))
 
 
+#: The most ``[[mapping.related]]`` tables (each has a capture function and two triggers of its own).
+MAX_RELATED = 8
+
+
+@dataclass(frozen=True)
+class RelatedTable:
+    """Another table whose changes affect tasks' readiness (``[[mapping.related]]``): a job row whose state is
+    the status of the step rows pointing at it, say. Capture sits on it too: a change of a ``watch`` column
+    (or an insert) is captured as a status change of every task row (read through ``mapping.read_table``)
+    whose ``match`` columns equal the changed row's, carrying the task's status as read then.
+
+    ``match``: pairs of (task column, related column); ``watch``: related columns whose change matters."""
+
+    table: str
+    match: tuple[tuple[str, str], ...]
+    watch: tuple[str, ...]
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.table, "mapping.related.table")
+        object.__setattr__(self, "schema", validate_optional_identifier(self.schema, "mapping.related.schema"))
+        if not self.match:
+            raise MappingError(f"mapping.related ({self.table}): match needs at least one task column = related "
+                               "column pair")
+        for task_column, related_column in self.match:
+            validate_identifier(task_column, "mapping.related.match")
+            validate_identifier(related_column, "mapping.related.match")
+        if not self.watch:
+            raise MappingError(f"mapping.related ({self.table}): watch needs at least one column whose change "
+                               "matters (its state, say)")
+        for column in self.watch:
+            validate_identifier(column, "mapping.related.watch")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RelatedTable:
+        if not isinstance(raw, Mapping):
+            raise MappingError(f"each [[mapping.related]] must be a table, got {type(raw).__name__}")
+        _reject_unknown(raw, {"table", "schema", "match", "watch"}, "mapping.related")
+        if "table" not in raw:
+            raise MappingError("[[mapping.related]] needs table")
+        match = raw.get("match") or {}
+        if not isinstance(match, Mapping):
+            raise MappingError("mapping.related.match must be a table of task column = related column")
+        watch = raw.get("watch") or ()
+        if isinstance(watch, str):
+            watch = (watch,)
+        if not isinstance(watch, list | tuple):
+            raise MappingError("mapping.related.watch must be a list of column names")
+        return cls(table=raw["table"], schema=raw.get("schema"),
+                   match=tuple((str(k), v) for k, v in match.items()), watch=tuple(watch))
+
+
 @dataclass(frozen=True)
 class TaskTableMapping:
     """The whole mapping: task table, columns, statuses, dependency storage, workflow-type source."""
@@ -287,6 +342,8 @@ class TaskTableMapping:
     #: SQL the user owns, installed by ``init`` and removed by ``uninstall`` (a file of named blocks
     #: ``install``/``uninstall``; relative to the configuration file).
     install_sql: str | None = None
+    #: Other tables whose changes affect readiness, captured too (``[[mapping.related]]``).
+    related: tuple[RelatedTable, ...] = ()
 
     def __post_init__(self) -> None:
         validate_identifier(self.table, "mapping.table")
@@ -317,6 +374,12 @@ class TaskTableMapping:
             raise MappingError("mapping.dependencies.mode = 'json' needs mapping.columns.depends_on")
         if self.dependency_mode in ("edges", "keys") and self.edges is None:
             raise MappingError("mapping.dependencies.mode = 'edges' needs mapping.dependencies.table")
+        names = [(r.schema, r.table) for r in self.related]
+        if len(set(names)) != len(names) or (self.schema, self.table) in names:
+            raise MappingError("mapping.related names a table twice (or mapping.table itself, which is captured "
+                               "already)")
+        if len(self.related) > MAX_RELATED:
+            raise MappingError(f"mapping.related: at most {MAX_RELATED} related tables")
         if self.columns.workflow_type is None and self.instances is None:
             raise MappingError(
                 "the workflow type has no source: set mapping.columns.workflow_type or mapping.instances"
@@ -337,7 +400,7 @@ class TaskTableMapping:
         """Build a mapping from the ``[mapping]`` table of ``pollbridge.toml``. Unknown keys are errors."""
         raw = dict(raw)
         _reject_unknown(raw, {"table", "schema", "columns", "statuses", "dependencies", "instances", "read_table",
-                              "dispatch", "install_sql"}, "mapping")
+                              "dispatch", "install_sql", "related"}, "mapping")
         columns = TaskColumns(**_section(raw, "columns", TaskColumns))
         statuses_raw = _section(raw, "statuses", StatusValues)
         statuses_raw.pop("sets", None)
@@ -363,7 +426,11 @@ class TaskTableMapping:
             # Validated even when unused, so a typo is reported rather than silently ignored.
             configured = InstancesTable(**_section(raw, "instances", InstancesTable))
             instances = None if columns.workflow_type is not None else configured
+        related = raw.get("related") or ()
+        if not isinstance(related, list | tuple):
+            raise MappingError("mapping.related must be an array of tables ([[mapping.related]])")
         return cls(
+            related=tuple(RelatedTable.from_dict(r) for r in related),
             table=raw.get("table", "tasks"),
             schema=raw.get("schema"),
             columns=columns,

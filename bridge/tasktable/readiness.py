@@ -166,7 +166,10 @@ def ready_predicate(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[bool]:
 def ready_since(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
     """When the task's readiness began (``NULL`` if nothing records it)."""
     parts: list[sa.ColumnElement[Any]] = [latest_dependency_completion(tt, t)]
-    for logical in ("due_at", "signal_received_at", "updated_at"):
+    # committed_at floors the ready time at the commit of the row's own latest change (and, in
+    # latest_dependency_completion, of each dependency's): an engine that stamps completed_at before it commits
+    # would otherwise make a task look ready for longer than anyone could have seen it.
+    for logical in ("due_at", "signal_received_at", "updated_at", "committed_at"):
         if tt.has(logical):
             parts.append(tt.col(logical, t))
     return greatest(tt.dialect_name, parts)
@@ -185,8 +188,10 @@ def greatest(dialect_name: str, parts: list[sa.ColumnElement[Any]]) -> sa.Column
 
 
 def latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
+    """The latest completion time of the task's dependencies (each floored at its row's ``committed_at``
+    where mapped)."""
     dep = tt.tasks.alias("pb_dep_done")
-    completed_at = tt.col("completed_at", dep) if tt.has("completed_at") else None
+    completed_at = _completion(tt, dep)
     if completed_at is None:
         return sa.null()
     if tt.mapping.dependency_mode == "json":
@@ -194,7 +199,9 @@ def latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnEl
         q = sa.select(sa.func.max(_dependency_lookup(tt, t, dep, d, completed_at))).select_from(d)
     elif tt.mapping.dependency_mode == "keys":
         joined, dep_done, where = _key_dependencies(tt, t, "pb_dep_done")
-        q = (sa.select(sa.func.max(tt.col("completed_at", dep_done))).select_from(joined).where(where)
+        done_at = _completion(tt, dep_done)
+        assert done_at is not None
+        q = (sa.select(sa.func.max(done_at)).select_from(joined).where(where)
              .correlate_except(joined))
     else:
         assert tt.edges is not None and tt.mapping.edges is not None
@@ -205,6 +212,15 @@ def latest_dependency_completion(tt: TaskTable, t: sa.FromClause) -> sa.ColumnEl
             .where(e.c[tt.mapping.edges.task_id] == tt.col("id", t))
         )
     return sa.type_coerce(q.scalar_subquery(), sa.DateTime(timezone=True))
+
+
+def _completion(tt: TaskTable, dep: sa.FromClause) -> sa.ColumnElement[Any] | None:
+    """A dependency row's completion time, floored at its ``committed_at`` where that is mapped."""
+    if not tt.has("completed_at"):
+        return None
+    if not tt.has("committed_at"):
+        return tt.col("completed_at", dep)
+    return greatest(tt.dialect_name, [tt.col("completed_at", dep), tt.col("committed_at", dep)])
 
 
 def _dependency_lookup(tt: TaskTable, t: sa.FromClause, dep: sa.FromClause, d: Any,
