@@ -405,7 +405,7 @@ def _related_placeholders(conn: Connection, tt: TaskTable, index: int, related: 
     """The placeholders of the ``index``-th related table's capture: every task row of the read relation
     (alias ``pb_r``) matching the changed row."""
     pg = conn.dialect.name == "postgresql"
-    read = {c: f"pb_r.{_q(conn, c)}" for c in tt.tasks.c}
+    read = {c: f"pb_r.{_q(conn, c)}" for c in tt.tasks.c.keys()}  # noqa: SIM118 (a ColumnCollection iterates columns)
     values = _values(conn, tt, read, tt.tasks)
     relation = _pg_qualified(conn, table) if pg else _table_sql(conn, table)
     reads = _pg_qualified(conn, tt.tasks) if pg else _table_sql(conn, tt.tasks)

@@ -98,11 +98,12 @@ class TaskTable:
 
     def readiness_columns(self) -> tuple[str, ...]:
         """Task-table columns readiness reads beyond the logical ones (a subquery over the task table that
-        readiness is applied to must carry them): the trigger rule, and in ``keys`` mode the key column
-        and the columns an edge is matched on."""
+        readiness is applied to must carry them): the trigger rule, the commit time that floors the ready
+        time, and in ``keys`` mode the key column and the columns an edge is matched on."""
         names: list[str] = []
-        if self.mapping.columns.trigger_rule:
-            names.append(self.mapping.columns.trigger_rule)
+        for logical in ("trigger_rule", "committed_at"):
+            if column := getattr(self.mapping.columns, logical):
+                names.append(column)
         if self.mapping.dependency_mode == "keys" and self.mapping.edges is not None:
             names += [self.mapping.dependency_key_column, *self.mapping.edges.match]
         return tuple(dict.fromkeys(names))
