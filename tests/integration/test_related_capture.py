@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import Engine
 
 from bridge.app import install
 from bridge.bus import open_bus
@@ -245,7 +244,8 @@ def test_doctor_covers_both_tables_and_uninstall_removes_everything(stages: Stag
     assert [name for name, _ in on] == ["pollbridge_capture_insert", "pollbridge_capture_r1_insert",
                                         "pollbridge_capture_r1_update", "pollbridge_capture_update"]
     with stages.engine.begin() as conn:
-        conn.exec_driver_sql(f"DROP TRIGGER pollbridge_capture_r1_update{' ON st_jobs' if stages.dialect == 'postgresql' else ''}")
+        on_table = " ON st_jobs" if stages.dialect == "postgresql" else ""
+        conn.exec_driver_sql(f"DROP TRIGGER pollbridge_capture_r1_update{on_table}")
     with stages.engine.connect() as conn:
         ok, line = capture_status(conn, stages.tables)
     assert not ok and "missing on 'st_jobs'" in line and "pollbridge_capture_r1_update" in line
