@@ -472,13 +472,14 @@ def install_capture(conn: Connection, tt: TaskTable, *, wake: WakeMode = "adapti
 
 
 def installed_triggers(conn: Connection) -> list[tuple[str, str]]:
-    """``(trigger, table)`` for every pollbridge trigger in the database."""
+    """``(trigger, table)`` for every capture trigger in the database (``pollbridge_capture_...``; a trigger
+    of the user's own ``install_sql`` is the user's)."""
     rows = conn.exec_driver_sql(render(conn.dialect.name, "list_triggers")).all()
     return [(str(r[0]), str(r[1])) for r in rows]
 
 
 def remove_capture(conn: Connection) -> list[str]:
-    """Drop every pollbridge trigger (wherever it is) and the capture function. Never touches anything else."""
+    """Drop every capture trigger (wherever it is) and the capture functions. Never touches anything else."""
     dropped = []
     dialect = conn.dialect.name
     for name, table in installed_triggers(conn):

@@ -331,8 +331,9 @@ class TaskTableMapping:
     dependency_mode: DependencyMode = "json"
     edges: EdgesTable | None = None
     instances: InstancesTable | None = field(default_factory=InstancesTable)
-    #: Reads (evaluation, checks, explain) go through this relation (a view the user owns) when set;
-    #: capture and the dispatch write stay on ``table``.
+    #: Reads (evaluation, checks, explain) and pollbridge's own writes (a dispatch, a skip, a retry: only in
+    #: selective and cutover, and only through a view updatable for them, see preflight's dispatch_writable)
+    #: go through this relation (a view the user owns) when set; capture sits on ``table``.
     read_table: str | None = None
     #: When the attempts column moves: ``claim`` (a worker's claim increments it: the reference) or
     #: ``dispatch`` (the dispatch itself increments it: Airflow's try_number).
@@ -357,6 +358,12 @@ class TaskTableMapping:
             if value not in DISPATCH_SET_VALUES:
                 raise MappingError(f"mapping.dispatch.set.{column} must be one of {', '.join(DISPATCH_SET_VALUES)}, "
                                    f"got {value!r}")
+        attempts = self.columns.attempts
+        if self.attempt_moves == "dispatch" and attempts and (attempts, "increment") not in self.dispatch_set:
+            # Else pollbridge's own dispatch would record attempt N+1 for a row that still says N, and its captured
+            # change would pass for another scheduler's dispatch of attempt N.
+            raise MappingError(f"mapping.dispatch.attempt_moves = 'dispatch' needs mapping.dispatch.set."
+                               f"{attempts} = \"increment\" (pollbridge's dispatch must move it too)")
         if self.install_sql is not None and (not isinstance(self.install_sql, str) or not self.install_sql):
             raise MappingError("mapping.install_sql must be a file name")
         if self.dependency_mode not in ("json", "edges", "keys"):

@@ -51,6 +51,7 @@ from bridge.reference.workload import find_cycle
 from bridge.rollout.guardian import Guardian
 from bridge.rollout.promotion import RANK, evaluate_gate, is_promotion
 from bridge.tasktable import usersql
+from bridge.tasktable.dispatch import write_blocker, written_columns
 from bridge.tasktable.tables import TaskTable, reflect_tables
 
 #: Most task rows the ``dags`` check reads, so it stays quick on a large table.
@@ -191,6 +192,18 @@ def _capture(p: Probe) -> Outcome:
         # With the configured [capture] settings: a capture installed with others is outdated too.
         return capture_status(conn, p.tables, wake=capture.wake,  # type: ignore[arg-type]
                               relay_partitions=capture.relay_partitions)
+
+
+def _dispatch_writable(p: Probe) -> Outcome:
+    tt = p.tables
+    with read_only(p.engine).connect() as conn:
+        blocker = write_blocker(conn, tt)
+    if blocker is not None:
+        return False, blocker
+    written = ", ".join(written_columns(tt))
+    if tt.mapping.read_table is None or tt.mapping.read_table == tt.mapping.table:
+        return True, f"writes ({written}) go to table {tt.mapping.table}"
+    return True, f"writes ({written}) go through the view {tt.mapping.read_table}, updatable for each"
 
 
 def _dags(p: Probe) -> Outcome:
@@ -416,6 +429,8 @@ REGISTRY: dict[str, Check] = {c.name: c for c in (
     Check("migrations", "pollbridge's schema is at the migration head", _migrations, ("database",)),
     Check("capture_installed", "the capture triggers are on the task table (not a view), enabled, and what the "
           "mapping generates", _capture, ("database", "mapping")),
+    Check("dispatch_writable", "pollbridge's writes (dispatch, skip, retry) reach the task table, through the "
+          "read view when there is one", _dispatch_writable, ("database", "mapping")),
     Check("dags", "the workflows in the task table are DAGs (no cycle, no unknown task key)", _dags,
           ("database", "mapping")),
     Check("bus", "the event bus is reachable", _bus),

@@ -19,6 +19,7 @@ check                  polling  dual_write  selective  cutover
 ``dead_letters``                            yes        yes
 ``reconciler_gate``             yes         yes        yes
 ``rollback_rehearsed``                      yes        yes
+``dispatch_writable``                       yes        yes
 =====================  =======  ==========  =========  =======
 
 Returning to ``polling`` needs nothing but the database: the way back must never wait for the event
@@ -52,6 +53,10 @@ What each check measures:
   not a promotion passes it, since ``flags set`` applies no gate then.
 * ``rollback_rehearsed``: ``pollbridge rollback`` ran for the type (audit action ``rollback``; a
   guardian demotion does not count) within ``rollback_rehearsal_days``.
+* ``dispatch_writable``: pollbridge's writes (the status, the dispatch, update and completion times, the
+  ``[mapping.dispatch] set`` columns) reach the task table: always without ``mapping.read_table``; through a
+  view only when it is updatable for each of them (PostgreSQL: automatically, or by an ``INSTEAD OF UPDATE``
+  trigger of the user's ``install_sql``).
 
 A check whose prerequisite failed (for example everything after ``database`` when the database is
 down) fails with "not checked" and names it. Nothing is written: preflight only reads.
@@ -146,6 +151,7 @@ CHECKS: tuple[PreflightCheck, ...] = tuple(PreflightCheck(ALL_CHECKS[name], phas
     ("dead_letters", DISPATCHING),
     ("reconciler_gate", EVENT_PATH),
     ("rollback_rehearsed", DISPATCHING),
+    ("dispatch_writable", DISPATCHING),
 ))
 #: Preflight's checks by name (the runbooks may name only these).
 REGISTRY: dict[str, PreflightCheck] = {c.name: c for c in CHECKS}

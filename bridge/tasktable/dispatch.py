@@ -52,6 +52,49 @@ def dispatch_values(tt: TaskTable, now: Any) -> dict[str, Any]:
     return values
 
 
+def written_columns(tt: TaskTable) -> tuple[str, ...]:
+    """Every task-table column pollbridge may write on the dispatching route: the status, the dispatch,
+    update and completion times where mapped (a dispatch, a skip, a retry, a timeout), the attempts where it
+    re-pends, and the mapping's ``[mapping.dispatch] set`` columns."""
+    cols = tt.mapping.columns
+    names = [cols.status, *(getattr(cols, logical) for logical in ("dispatched_at", "updated_at", "completed_at")
+                            if tt.has(logical))]
+    names += [column for column, _how in tt.mapping.dispatch_set]
+    return tuple(dict.fromkeys(names))
+
+
+def write_blocker(conn: Connection, tt: TaskTable) -> str | None:
+    """Why pollbridge's writes cannot reach the task table through the read relation (one line), or None.
+
+    Without ``mapping.read_table`` the writes go to ``mapping.table`` itself. Through a view they reach the
+    base tables only if the view is updatable for every written column: on PostgreSQL an automatically
+    updatable view (``pg_column_is_updatable``, which does not look at triggers) or one with an
+    enabled ``INSTEAD OF UPDATE`` trigger; on SQLite never, since SQLite does not report the rows an
+    ``INSTEAD OF`` trigger wrote and the compare-and-set needs them."""
+    m = tt.mapping
+    if m.read_table is None or m.read_table == m.table:
+        return None
+    columns = written_columns(tt)
+    if conn.dialect.name != "postgresql":
+        return (f"pollbridge writes through mapping.read_table {m.read_table!r}, a view, and SQLite does not report "
+                "the rows a view's INSTEAD OF trigger wrote: keep this mapping in polling or dual_write")
+    prep = conn.dialect.identifier_preparer
+    relation = f"{prep.quote_schema(m.schema)}.{prep.quote(m.read_table)}" if m.schema else prep.quote(m.read_table)
+    blocked = list(conn.execute(sa.text(
+        "SELECT a.attname FROM pg_catalog.pg_attribute a WHERE a.attrelid = pg_catalog.to_regclass(:relation) "
+        "AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY(:columns) "
+        "AND NOT pg_catalog.pg_column_is_updatable(a.attrelid, a.attnum, false) "
+        # An enabled INSTEAD OF UPDATE row trigger (tgtype bits: 64 instead, 16 update) takes every column.
+        "AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = a.attrelid "
+        "AND (t.tgtype & 64) <> 0 AND (t.tgtype & 16) <> 0 AND t.tgenabled <> 'D') ORDER BY a.attnum"),
+        {"relation": relation, "columns": list(columns)}).scalars())
+    if blocked:
+        return (f"pollbridge cannot write column(s) {', '.join(map(repr, blocked))} through mapping.read_table "
+                f"{m.read_table!r} (a view that is not updatable there): give it an INSTEAD OF UPDATE trigger in "
+                "your install_sql, or keep this mapping in polling or dual_write")
+    return None
+
+
 def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], path: Path,
                   trace_ids: Mapping[str, str | None] | None = None) -> list[ReadyTask]:
     """Dispatch a batch inside the caller's transaction; return the tasks this call won.

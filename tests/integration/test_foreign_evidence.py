@@ -558,7 +558,7 @@ def test_each_dispatched_attempt_is_recorded_once_whatever_the_batches(engine: E
     second dispatch of the same attempt) and however the relay cuts the outbox into batches and retries
     them: one dispatch-log row per dispatched (instance, task key, attempt), at the time of its first
     capture, with the attempt the mapping says (claim: the counter + 1), and nothing else."""
-    mapping = TaskTableMapping(attempt_moves="claim" if claim else "dispatch")
+    mapping = TaskTableMapping() if claim else FOREIGN
     tt = reflect_tables(engine, mapping)
     with engine.begin() as conn:
         for table in (tt.tasks, dispatch_log, outbox):

@@ -511,7 +511,7 @@ def test_cli_json_keys_and_exit_codes(stack: Stack) -> None:
     assert [c["name"] for c in data["checks"]] == [c.name for c in checks_for("dual_write")]
     assert all(set(c) == {"name", "passed", "detail", "description"} for c in data["checks"])
     assert set(data["failed"]) == {"relay_alive", "scheduler_alive"}
-    assert data["not_applicable"] == ["dead_letters", "rollback_rehearsed"]
+    assert data["not_applicable"] == ["dead_letters", "rollback_rehearsed", "dispatch_writable"]
 
     code, out = _cli(stack, "polling", "--type", "orders")
     assert code == 0

@@ -113,13 +113,13 @@ IF EXISTS (SELECT 1 FROM $relay_state WHERE armed) THEN
 
 -- name: list_triggers
 SELECT t.tgname AS name, t.tgrelid::regclass::text AS table_name
-FROM pg_trigger t WHERE NOT t.tgisinternal AND left(t.tgname, 11) = 'pollbridge_'
+FROM pg_trigger t WHERE NOT t.tgisinternal AND left(t.tgname, 19) = 'pollbridge_capture_'
 
 -- name: capture_triggers_on
 SELECT t.tgname AS name, t.tgenabled AS enabled, t.tgfoid::pg_catalog.regprocedure::text AS function,
        pg_catalog.obj_description(t.tgfoid, 'pg_proc') AS comment
 FROM pg_catalog.pg_trigger t
-WHERE t.tgrelid = pg_catalog.to_regclass(:table) AND NOT t.tgisinternal AND left(t.tgname, 11) = 'pollbridge_'
+WHERE t.tgrelid = pg_catalog.to_regclass(:table) AND NOT t.tgisinternal AND left(t.tgname, 19) = 'pollbridge_capture_'
 
 -- name: list_functions
 SELECT p.oid::pg_catalog.regprocedure::text FROM pg_catalog.pg_proc p

@@ -66,7 +66,7 @@ BEGIN
 END
 
 -- name: list_triggers
-SELECT name, tbl_name AS table_name FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'pollbridge\_%' ESCAPE '\'
+SELECT name, tbl_name AS table_name FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'pollbridge\_capture\_%' ESCAPE '\'
 
 -- name: drop_trigger
 DROP TRIGGER IF EXISTS $name
