@@ -91,7 +91,8 @@ def init(ctx: click.Context, demo_schema: bool, as_json: bool) -> None:
     if result.demo_tables_created:
         click.echo(f"created demo tables: {', '.join(result.demo_tables_created)}")
     if result.capture_installed:
-        click.echo(f"capture triggers installed on {settings.mapping.table} (wake-up: {settings.capture.wake})")
+        on = ", ".join([settings.mapping.table, *(r.table for r in settings.mapping.related)])
+        click.echo(f"capture triggers installed on {on} (wake-up: {settings.capture.wake})")
     if result.revision_before == result.revision_after:
         click.echo(f"pollbridge already at {result.revision_after} in {mask_url(settings.database_url)}")
     else:

@@ -66,7 +66,7 @@ SCHEMA = {
 #: committed (NULL unless track_commit_timestamp is on), which floors the ready time.
 VIEW = {
     "sqlite": """-- name: install
-CREATE VIEW pollbridge_st_tasks AS
+CREATE VIEW IF NOT EXISTS pollbridge_st_tasks AS
 SELECT s.id, s.run_id, s.name, s.needs, s.job_id, j.state, j.attempt, j.finished_at, r.pipeline
 FROM st_steps s JOIN st_jobs j ON j.id = s.job_id JOIN st_runs r ON r.id = s.run_id;
 
