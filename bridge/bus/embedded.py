@@ -24,9 +24,12 @@ Why it is built the way it is:
 * **Blocking read** re-checks with a cheap lock-free query (the offsets, then "is anything after
   them") every ``poll_interval`` while entries flow, less often the longer the bus has been idle
   (:func:`bridge.core.idle.idle_poll`: a tenth of the idle time, at most 0.1 s), and a process-wide
-  condition per database, notified by ``publish``, wakes a same-process consumer at once. An idle
-  consumer so costs about ten checks a second, and the first entry after a long idle spell reaches
-  another process within 0.1 s.
+  condition per database, notified by ``publish``, wakes a same-process consumer at once. On SQLite an
+  idle consumer so costs about ten checks a second, and the first entry after a long idle spell reaches
+  another process within 0.1 s. On PostgreSQL a publish also NOTIFYs (delivered at its commit) and a
+  waiting reader's process LISTENs on one connection of its own, which wakes its readers at once: an
+  entry reaches another process's idle reader without waiting for a poll, and an idle reader checks only
+  once a second (the fallback, should a notification be lost while the listener reconnects).
 * **Time** is the database clock (:func:`bridge.db.engine.db_now`) everywhere, so idle times and
   retention do not depend on which host's clock a consumer has.
 * **epoch** is a constant: the embedded log is lost only with the database itself, and then the
@@ -36,12 +39,14 @@ Why it is built the way it is:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
@@ -60,8 +65,9 @@ from bridge.bus.base import (
     EventRef,
     partition_for,
 )
+from bridge.core.errors import first_line
 from bridge.core.events import CloudEvent, EventFormatError
-from bridge.core.idle import idle_poll
+from bridge.core.idle import MAX_IDLE_POLL, idle_poll
 from bridge.db.engine import db_now, read_only
 from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
@@ -72,15 +78,37 @@ ADVISORY_LOCK_CLASS = zlib.crc32(b"pollbridge_bus_log") & 0x7FFFFFFF
 #: The embedded epoch (see the module docstring for why a constant is right).
 EMBEDDED_EPOCH = "embedded-1"
 
+log = logging.getLogger(__name__)
+
 _EVENT_ID_LENGTH = 36  # pollbridge_bus_log.event_id; informational only, the payload has the full id
 
 
-class _Wakeup:
-    """A generation counter under a condition: waiters compare generations so no notify is missed."""
+#: The channel a PostgreSQL publish notifies (at its commit) and idle readers of other processes listen on.
+NOTIFY_CHANNEL = "pollbridge_bus"
+#: The longest wait between checks of an idle reader while its process listens for publishes: a lost
+#: notification (a listener reconnecting) delays an entry by at most this.
+LISTENING_IDLE_POLL = 1.0
+#: A listener with no reader waiting for this long closes its connection (a reader starts it again).
+LISTENER_IDLE_CLOSE = 10.0
 
-    def __init__(self) -> None:
+
+class _Wakeup:
+    """A generation counter under a condition: waiters compare generations so no notify is missed.
+
+    On PostgreSQL it also LISTENs for other processes' publishes (:data:`NOTIFY_CHANNEL`) on one
+    connection of its own, while readers wait: started by the first waiting reader, closed after
+    :data:`LISTENER_IDLE_CLOSE` seconds without one or when its connection fails (the next waiting reader
+    starts it again, at most once a second)."""
+
+    def __init__(self, conninfo: str | None = None) -> None:
         self._cond = threading.Condition()
         self.generation = 0
+        self._conninfo = conninfo
+        self._listener: threading.Thread | None = None
+        self._last_wait = 0.0
+        self._failed_at = -1e9
+        #: True while a LISTEN connection is up: idle readers may then check less often.
+        self.listening = False
 
     def notify(self) -> None:
         with self._cond:
@@ -89,10 +117,38 @@ class _Wakeup:
 
     def wait(self, seen: int, timeout: float) -> int:
         """Wait until the generation moves past ``seen`` or ``timeout`` passes; the current generation."""
+        if self._conninfo is not None:
+            self._listen()
         with self._cond:
             if self.generation == seen:
                 self._cond.wait(timeout)
             return self.generation
+
+    def _listen(self) -> None:
+        now = time.monotonic()
+        self._last_wait = now
+        with self._cond:
+            if (self._listener is not None and self._listener.is_alive()) or now - self._failed_at < 1.0:
+                return
+            self._listener = threading.Thread(target=self._run_listener, name="pollbridge-bus-listener",
+                                              daemon=True)
+            self._listener.start()
+
+    def _run_listener(self) -> None:
+        assert self._conninfo is not None
+        try:
+            with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10) as conn:
+                conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                self.listening = True
+                self.notify()  # a publish between the reader's check and the LISTEN: look again now
+                while time.monotonic() - self._last_wait < LISTENER_IDLE_CLOSE:
+                    if any(True for _ in conn.notifies(timeout=0.5, stop_after=1)):
+                        self.notify()
+        except psycopg.Error as exc:
+            self._failed_at = time.monotonic()
+            log.info("bus listener stopped (%s); idle readers poll every %.1f s", first_line(exc), MAX_IDLE_POLL)
+        finally:
+            self.listening = False
 
 
 _wakeups: dict[str, _Wakeup] = {}
@@ -100,10 +156,13 @@ _wakeups_lock = threading.Lock()
 
 
 def _wakeup_for(engine: Engine) -> _Wakeup:
-    """One wake-up per database per process, so two bus objects on one database wake each other."""
+    """One wake-up per database per process, so two bus objects on one database wake each other (and, on
+    PostgreSQL, one listener per database per process wakes them for other processes' publishes)."""
     key = engine.url.render_as_string(hide_password=False)
+    conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False) \
+        if engine.dialect.name == "postgresql" else None
     with _wakeups_lock:
-        return _wakeups.setdefault(key, _Wakeup())
+        return _wakeups.setdefault(key, _Wakeup(conninfo))
 
 
 class EmbeddedBus(EventBus):
@@ -170,6 +229,10 @@ class EmbeddedBus(EventBus):
                 {"cls": ADVISORY_LOCK_CLASS, "parts": sorted({int(r["partition"]) for r in rows})},
             )
         conn.execute(bus_log.insert().values(created_at=db_now(self._dialect)), rows)
+        if self._dialect == "postgresql":
+            # Delivered at the commit, folded to one per transaction: wakes idle readers in other processes
+            # (their listener), so an entry does not wait for their next poll.
+            conn.execute(sa.text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
 
     # ------------------------------------------------------------------ groups
 
@@ -224,7 +287,8 @@ class EmbeddedBus(EventBus):
                 remaining = deadline - now
                 if remaining <= 0:
                     return []
-                wait = idle_poll(self._poll, now - self._last_delivery)
+                cap = LISTENING_IDLE_POLL if self._wakeup.listening else MAX_IDLE_POLL
+                wait = idle_poll(self._poll, now - self._last_delivery, cap)
                 moved = self._wakeup.wait(seen, min(wait, remaining))
                 if moved != seen:  # a same-process publish: busy again
                     self._last_delivery = time.monotonic()
