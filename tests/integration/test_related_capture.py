@@ -67,7 +67,8 @@ SCHEMA = {
 VIEW = {
     "sqlite": """-- name: install
 CREATE VIEW IF NOT EXISTS pollbridge_st_tasks AS
-SELECT s.id, s.run_id, s.name, s.needs, s.job_id, j.state, j.attempt, j.finished_at, r.pipeline
+SELECT s.id, s.run_id, s.name, s.needs, s.job_id, j.state, j.attempt, j.finished_at, r.pipeline,
+       'run:' || s.run_id AS run_key
 FROM st_steps s JOIN st_jobs j ON j.id = s.job_id JOIN st_runs r ON r.id = s.run_id;
 
 -- name: uninstall
@@ -76,6 +77,7 @@ DROP VIEW IF EXISTS pollbridge_st_tasks;
     "postgresql": """-- name: install
 CREATE OR REPLACE VIEW pollbridge_st_tasks AS
 SELECT s.id, s.run_id, s.name, s.needs, s.job_id, j.state, j.attempt, j.finished_at, r.pipeline,
+       'run:' || s.run_id AS run_key,
        CASE WHEN current_setting('track_commit_timestamp') = 'on'
             THEN pg_xact_commit_timestamp(j.xmin) END AS committed_at
 FROM st_steps s JOIN st_jobs j ON j.id = s.job_id JOIN st_runs r ON r.id = s.run_id;
@@ -107,9 +109,9 @@ DROP FUNCTION IF EXISTS pollbridge_st_tasks_write();
 """)
 
 
-def _mapping(dialect: str, sql_file: Path) -> TaskTableMapping:
+def _mapping(dialect: str, sql_file: Path, instance_id: str = "run_id") -> TaskTableMapping:
     columns: dict[str, Any] = {
-        "id": "id", "instance_id": "run_id", "task_key": "name", "status": "state", "depends_on": "needs",
+        "id": "id", "instance_id": instance_id, "task_key": "name", "status": "state", "depends_on": "needs",
         "workflow_type": "pipeline", "completed_at": "finished_at", "attempts": "attempt",
         "due_at": "", "awaits_signal": "", "signal_received_at": "", "dispatched_at": "", "updated_at": "",
         "max_attempts": "",
@@ -129,7 +131,8 @@ def _mapping(dialect: str, sql_file: Path) -> TaskTableMapping:
 class Stages:
     """The engine (plain SQL) with pollbridge attached in dual_write: relay (foreign evidence) and scheduler."""
 
-    def __init__(self, url: str, tmp_path: Path, *, phase: str = "dual_write", writable: bool = False) -> None:
+    def __init__(self, url: str, tmp_path: Path, *, phase: str = "dual_write", writable: bool = False,
+                 instance_id: str = "run_id") -> None:
         self.engine = create_engine(url)
         self.dialect = self.engine.dialect.name
         with self.engine.begin() as conn:
@@ -137,7 +140,7 @@ class Stages:
                 conn.exec_driver_sql(statement)
         sql_file = tmp_path / "stages.sql"
         sql_file.write_text(WRITABLE if writable else VIEW[self.dialect])
-        self.mapping = _mapping(self.dialect, sql_file)
+        self.mapping = _mapping(self.dialect, sql_file, instance_id)
         install.init(self.engine, mapping=self.mapping)
         self.tables = reflect_tables(self.engine, self.mapping)
         self.bus = open_bus("embedded", engine=self.engine, partitions=2)
@@ -339,5 +342,27 @@ def test_writes_through_a_join_view_need_the_users_instead_of_trigger(empty_db_u
                 "SELECT s.name, j.state FROM st_steps s JOIN st_jobs j ON j.id = s.job_id")).all())
         assert states == {"a": "queued", "b": "waiting"}  # pollbridge dispatched a, through the view
         assert stages.evidence() == [("a", "events", 1)]
+    finally:
+        stages.close()
+
+
+def test_a_key_the_view_computes_is_captured_as_the_view_computes_it(empty_db_url: str, tmp_path: Path) -> None:
+    """instance_id is an expression of the user's view ('run:' || run_id), not a column of either captured table:
+    the step's insert and its job's change both carry it, and the shadow decision is made for that instance."""
+    stages = Stages(empty_db_url, tmp_path, instance_id="run_key")
+    try:
+        stages.start_run("r1", {"a": [], "b": ["a"]})
+        stages.job("r1", "a", "state = 'queued', attempt = attempt + 1")
+        with stages.engine.connect() as conn:
+            captured = {(str(r.change), str(r.instance_id)) for r in conn.execute(
+                sa.select(outbox.c.change, outbox.c.instance_id))}
+        assert captured == {("insert", "run:r1"), ("status", "run:r1")}
+        stages.drain()
+        stages.job("r1", "a", "state = 'done', finished_at = CURRENT_TIMESTAMP")
+        stages.drain()
+        with stages.engine.connect() as conn:
+            decided = sorted((str(r.instance_id), str(r.task_key)) for r in conn.execute(
+                sa.select(decisions.c.instance_id, decisions.c.task_key)))
+        assert decided == [("run:r1", "a"), ("run:r1", "b")]
     finally:
         stages.close()
