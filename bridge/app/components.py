@@ -78,6 +78,8 @@ class Components:
         options: dict[str, Any] = {}
         if timeout is not None and bus_scheme(s.bus_url) != "embedded":
             options["socket_timeout"] = timeout
+        if bus_scheme(s.bus_url) == "embedded":
+            options["listen"] = s.bus.listen
         return open_bus(s.bus_url, engine=engine, partitions=s.bus.partitions, namespace=s.bus.namespace, **options)
 
     def bus_opener(self, engine: Engine) -> Callable[[], EventBus]:

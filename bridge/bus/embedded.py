@@ -155,20 +155,23 @@ _wakeups: dict[str, _Wakeup] = {}
 _wakeups_lock = threading.Lock()
 
 
-def _wakeup_for(engine: Engine) -> _Wakeup:
+def _wakeup_for(engine: Engine, listen: bool) -> _Wakeup:
     """One wake-up per database per process, so two bus objects on one database wake each other (and, on
-    PostgreSQL, one listener per database per process wakes them for other processes' publishes)."""
+    PostgreSQL with ``listen``, one listener per database per process wakes them for other processes'
+    publishes)."""
     key = engine.url.render_as_string(hide_password=False)
     conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False) \
-        if engine.dialect.name == "postgresql" else None
+        if engine.dialect.name == "postgresql" and listen else None
     with _wakeups_lock:
-        return _wakeups.setdefault(key, _Wakeup(conninfo))
+        return _wakeups.setdefault(f"{key} listen={listen}", _Wakeup(conninfo))
 
 
 class EmbeddedBus(EventBus):
     """The bus inside pollbridge's database (SQLite or PostgreSQL). Thread-safe."""
 
-    def __init__(self, engine: Engine, *, partitions: int = 8, poll_interval: float = 0.01) -> None:
+    def __init__(self, engine: Engine, *, partitions: int = 8, poll_interval: float = 0.01,
+                 listen: bool = True) -> None:
+        """``listen`` (``[bus] listen``, PostgreSQL): NOTIFY on publish, LISTEN while a reader waits."""
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         if poll_interval <= 0:
@@ -181,7 +184,8 @@ class EmbeddedBus(EventBus):
         # SQLite: every transaction that writes takes the database's one lock, so a consumer looks first.
         self._look_first = self._dialect == "sqlite"
         self._poll = poll_interval
-        self._wakeup = _wakeup_for(engine)
+        self._listen = listen and self._dialect == "postgresql"
+        self._wakeup = _wakeup_for(engine, self._listen)
         self._last_delivery = time.monotonic()
 
     def __repr__(self) -> str:
@@ -229,7 +233,7 @@ class EmbeddedBus(EventBus):
                 {"cls": ADVISORY_LOCK_CLASS, "parts": sorted({int(r["partition"]) for r in rows})},
             )
         conn.execute(bus_log.insert().values(created_at=db_now(self._dialect)), rows)
-        if self._dialect == "postgresql":
+        if self._listen:
             # Delivered at the commit, folded to one per transaction: wakes idle readers in other processes
             # (their listener), so an entry does not wait for their next poll.
             conn.execute(sa.text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
@@ -287,11 +291,15 @@ class EmbeddedBus(EventBus):
                 remaining = deadline - now
                 if remaining <= 0:
                     return []
-                cap = LISTENING_IDLE_POLL if self._wakeup.listening else MAX_IDLE_POLL
-                wait = idle_poll(self._poll, now - self._last_delivery, cap)
+                # While the process listens every publish wakes it: look again only as a fallback.
+                wait = LISTENING_IDLE_POLL if self._wakeup.listening else \
+                    idle_poll(self._poll, now - self._last_delivery, MAX_IDLE_POLL)
                 moved = self._wakeup.wait(seen, min(wait, remaining))
-                if moved != seen:  # a same-process publish: busy again
+                if moved != seen:  # a publish (this process's, or another's through the listener): busy again
                     self._last_delivery = time.monotonic()
+                    if not self._look_first:  # PostgreSQL takes without a lock to avoid: take at once
+                        known = True
+                        break
                 seen = moved
                 if self._has_undelivered(group, parts):
                     known = True

@@ -96,10 +96,16 @@ class BusSettings:
     partitions: int = 8
     namespace: str = "pollbridge"
     visibility_timeout: float = 30.0
+    #: The embedded bus on PostgreSQL: publishes NOTIFY and waiting readers LISTEN, so another process's idle
+    #: reader is woken at once. Off behind a transaction-pooling proxy (PgBouncer), where LISTEN cannot work:
+    #: idle readers then look every 0.1 s.
+    listen: bool = True
 
     def __post_init__(self) -> None:
         _positive(self.partitions, "bus.partitions", integer=True)
         _positive(self.visibility_timeout, "bus.visibility_timeout")
+        if not isinstance(self.listen, bool):
+            raise ConfigError(f"bus.listen must be true or false, got {self.listen!r}")
         if not isinstance(self.namespace, str):
             raise ConfigError(f"bus.namespace must be a string, got {self.namespace!r}")
         validate_namespace(self.namespace)
@@ -422,7 +428,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
         raise ConfigError(f"unknown section(s) in configuration: {', '.join(map(repr, unknown))}; "
                           f"expected some of: {', '.join(sorted(known))}")
     database = _table(raw, "database", {"url"})
-    bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout"})
+    bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout", "listen"})
     capture = _table(raw, "capture", {"wake", "relay_partitions"})
     relay = _table(raw, "relay", {f.name for f in fields(RelaySettings)})
     scheduler = _scheduler_settings(raw)

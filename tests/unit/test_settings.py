@@ -325,6 +325,7 @@ def test_max_duration_below_min_duration_is_rejected() -> None:
         ("[workers]\nfailure_rate = 2\n", "workers.failure_rate"),
         ("[poller]\nbatch_size = 2.5\n", "poller.batch_size"),
         ("[poller]\nrunning_timeout = -5\n", "poller.running_timeout"),
+        ("[bus]\nlisten = 1\n", "bus.listen"),
     ],
 )
 def test_wrong_values_in_toml_file(tmp_path: Path, toml: str, word: str) -> None:
