@@ -1,0 +1,201 @@
+"""Decoding PostgreSQL's ``pgoutput`` logical replication messages (protocol version 1, text tuples).
+
+The write-ahead-log capture streams a logical replication slot with the built-in ``pgoutput`` plugin; each
+message of the stream is one of the records below. Only what capture needs is decoded: transaction bounds
+(with the commit's LSN and time), relations (a table's columns, sent before its first change in a session
+and again after it changed), and inserts, updates and deletes with their tuples as text. Origin, type,
+truncate and logical-decoding messages are recognised and skipped. The format is PostgreSQL's
+"Logical Replication Message Formats" chapter; integers are big-endian, strings NUL-terminated.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+#: PostgreSQL's epoch for timestamps on the wire (microseconds since 2000-01-01 UTC).
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+class DecodeError(ValueError):
+    """A message the decoder cannot read (truncated, or a tuple format it does not handle)."""
+
+
+@dataclass(frozen=True)
+class Begin:
+    final_lsn: int
+    commit_time: datetime
+    xid: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    commit_lsn: int
+    end_lsn: int
+    commit_time: datetime
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type_oid: int
+    key: bool
+
+
+@dataclass(frozen=True)
+class Relation:
+    relid: int
+    namespace: str
+    name: str
+    replica_identity: str  # d (default: the primary key), n (nothing), f (full), i (an index)
+    columns: tuple[Column, ...]
+
+
+#: A column's value in a tuple: text, None for SQL NULL, or :data:`UNCHANGED` for an unchanged TOASTed value
+#: (sent as "unchanged" in an update's new tuple: the value is whatever it was).
+class _Unchanged:
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED = _Unchanged()
+Value = str | None | _Unchanged
+
+
+@dataclass(frozen=True)
+class Change:
+    """An insert, update or delete of one row of relation ``relid``: ``new`` (insert, update) and ``old``
+    (update and delete: the replica identity's columns, every column with ``REPLICA IDENTITY FULL``; None when
+    the update did not send it)."""
+
+    kind: str  # insert | update | delete
+    relid: int
+    new: tuple[Value, ...] | None
+    old: tuple[Value, ...] | None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A message capture does not use (origin, type, truncate, logical message)."""
+
+    tag: str
+
+
+Message = Begin | Commit | Relation | Change | Skipped
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, n: int) -> bytes:
+        if self.at + n > len(self.data):
+            raise DecodeError(f"truncated message: wanted {n} byte(s) at offset {self.at} of {len(self.data)}")
+        chunk = self.data[self.at:self.at + n]
+        self.at += n
+        return chunk
+
+    def byte(self) -> str:
+        return self.take(1).decode("ascii")
+
+    def int8(self) -> int:
+        return int(struct.unpack("!b", self.take(1))[0])
+
+    def int16(self) -> int:
+        return int(struct.unpack("!h", self.take(2))[0])
+
+    def int32(self) -> int:
+        return int(struct.unpack("!i", self.take(4))[0])
+
+    def uint32(self) -> int:
+        return int(struct.unpack("!I", self.take(4))[0])
+
+    def int64(self) -> int:
+        return int(struct.unpack("!q", self.take(8))[0])
+
+    def uint64(self) -> int:
+        return int(struct.unpack("!Q", self.take(8))[0])
+
+    def string(self) -> str:
+        end = self.data.find(b"\x00", self.at)
+        if end < 0:
+            raise DecodeError(f"unterminated string at offset {self.at}")
+        text = self.data[self.at:end].decode("utf-8")
+        self.at = end + 1
+        return text
+
+    def timestamp(self) -> datetime:
+        return PG_EPOCH + timedelta(microseconds=self.int64())
+
+    def tuple(self) -> tuple[Value, ...]:
+        values: list[Value] = []
+        for _ in range(self.int16()):
+            kind = self.byte()
+            if kind == "n":
+                values.append(None)
+            elif kind == "u":
+                values.append(UNCHANGED)
+            elif kind == "t":
+                values.append(self.take(self.int32()).decode("utf-8"))
+            else:
+                raise DecodeError(f"tuple column kind {kind!r} is not handled (binary tuples are not asked for)")
+        return tuple(values)
+
+
+def decode(data: bytes) -> Message:
+    """One ``pgoutput`` message; :class:`DecodeError` when it cannot be read."""
+    if not data:
+        raise DecodeError("empty message")
+    r = _Reader(data)
+    tag = r.byte()
+    if tag == "B":
+        return Begin(final_lsn=r.uint64(), commit_time=r.timestamp(), xid=r.uint32())
+    if tag == "C":
+        r.int8()  # flags (unused)
+        return Commit(commit_lsn=r.uint64(), end_lsn=r.uint64(), commit_time=r.timestamp())
+    if tag == "R":
+        relid = r.uint32()
+        namespace, name = r.string(), r.string()
+        identity = chr(r.int8())
+        columns = []
+        for _ in range(r.int16()):
+            flags = r.int8()
+            columns.append(Column(name=r.string(), type_oid=r.uint32(), key=bool(flags & 1)))
+            r.int32()  # atttypmod
+        return Relation(relid, namespace, name, identity, tuple(columns))
+    if tag == "I":
+        relid = r.uint32()
+        if r.byte() != "N":
+            raise DecodeError("insert without a new tuple")
+        return Change("insert", relid, r.tuple(), None)
+    if tag == "U":
+        relid = r.uint32()
+        marker = r.byte()
+        old = None
+        if marker in ("K", "O"):
+            old = r.tuple()
+            marker = r.byte()
+        if marker != "N":
+            raise DecodeError(f"update without a new tuple (marker {marker!r})")
+        return Change("update", relid, r.tuple(), old)
+    if tag == "D":
+        relid = r.uint32()
+        if r.byte() not in ("K", "O"):
+            raise DecodeError("delete without an old tuple")
+        return Change("delete", relid, None, r.tuple())
+    if tag in ("O", "Y", "T", "M"):
+        return Skipped(tag)
+    raise DecodeError(f"unknown message tag {tag!r}")
+
+
+def lsn_text(lsn: int) -> str:
+    """An LSN as PostgreSQL prints it (``16/B374D848``)."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def parse_lsn(text: str) -> int:
+    """``16/B374D848`` → its integer."""
+    high, _, low = text.partition("/")
+    return (int(high, 16) << 32) | int(low, 16)
