@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from bridge.bus.base import EventBus
 from bridge.bus.factory import open_bus
 from bridge.capture.relay import Relay
+from bridge.capture.wal import WalCapture
 from bridge.core.errors import ConfigError, first_line
 from bridge.core.phases import EventRouter
 from bridge.core.settings import Settings, WorkerSettings
@@ -34,7 +35,7 @@ from bridge.rollout.checks import CheckResult
 from bridge.rollout.doctor import run_doctor
 from bridge.rollout.guardian import Guardian
 from bridge.rollout.preflight import PreflightReport, run_preflight
-from bridge.tasktable.tables import TaskTable
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
 from legacy_poller.workers import WorkerPool
@@ -115,6 +116,13 @@ class Components:
         return Relay(engine, bus, s.relay, statuses=s.mapping.statuses, partition=partition,
                      wake=s.capture.wake, registry=registry,  # type: ignore[arg-type]
                      foreign=s.mapping if s.legacy.foreign else None)
+
+    def wal_capture(self, engine: Engine, bus: EventBus) -> WalCapture:
+        """The write-ahead-log capture (``[capture] mode = "wal"``), run by the relay of partition 0."""
+        s = self.settings
+        return WalCapture(engine, reflect_tables(engine, s.mapping), bus,
+                          relay_partitions=s.capture.relay_partitions,
+                          foreign=s.mapping if s.legacy.foreign else None)
 
     def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
                   registry: CollectorRegistry | None = None) -> EventScheduler:

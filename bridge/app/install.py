@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Engine
 
 from bridge.bus.base import EventBus
+from bridge.capture import wal
 from bridge.capture.triggers import capture_target, install_capture, remove_capture
-from bridge.core.errors import first_line
+from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db import migrate
@@ -52,6 +53,12 @@ def init(
         with engine.begin() as conn:
             created = create_demo_schema(conn)
     tables = None
+    if mapping is not None and capture is not None and capture.mode == "wal":
+        # Refused before anything is created: the server's settings, and what this mode cannot capture yet.
+        with read_only(engine).connect() as conn:
+            problems = wal.settings_problems(conn) if conn.dialect.name == "postgresql" else []
+        if problems:
+            raise MappingMismatch(f"[capture] mode = 'wal': {problems[0]}")
     if mapping is not None and mapping.install_sql is not None:
         # The mapping may read what its own SQL creates (Airflow's edges views): installed first, and rolled
         # back with everything else when the mapping then does not match or names a view as capture target.
@@ -59,11 +66,15 @@ def init(
             usersql.install(conn, mapping)
             tables = reflect_tables(conn, mapping)
             capture_target(conn, tables)
+            if capture is not None and capture.mode == "wal":
+                wal.captured_columns(conn, tables)
     elif mapping is not None:
         tables = reflect_tables(engine, mapping)
         # A view cannot carry the capture triggers: refused here, before anything of pollbridge is created.
         with read_only(engine).connect() as conn:
             capture_target(conn, tables)
+            if capture is not None and capture.mode == "wal":
+                wal.captured_columns(conn, tables)
     before = migrate.current_revision(engine)
     if before != migrate.head_revision():
         migrate.upgrade(engine)
@@ -71,10 +82,27 @@ def init(
     assert after is not None
     if tables is not None:
         capture = capture or CaptureSettings()
-        with engine.begin() as conn:
-            install_capture(conn, tables, wake=capture.wake,  # type: ignore[arg-type]
-                            relay_partitions=capture.relay_partitions)
+        if capture.mode == "wal":
+            # The publication replaces the triggers in one transaction; the slot is made after it (PostgreSQL
+            # creates a logical slot only outside a transaction that wrote), and streams from then on.
+            with engine.begin() as conn:
+                remove_capture(conn)
+                wal.install_publication(conn, tables)
+            wal.ensure_slot(engine)
+        else:
+            with engine.begin() as conn:
+                install_capture(conn, tables, wake=capture.wake,  # type: ignore[arg-type]
+                                relay_partitions=capture.relay_partitions)
+            _remove_wal(engine)
     return InitResult(before, after, tuple(created), tables is not None)
+
+
+def _remove_wal(engine: Engine) -> list[str]:
+    """Drop the WAL capture's slot and publication, if any (outside a transaction, as the slot needs)."""
+    if engine.dialect.name != "postgresql":
+        return []
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return wal.remove_wal(conn)
 
 
 def uninstall(engine: Engine, mapping: TaskTableMapping | None = None) -> list[str]:
@@ -82,6 +110,7 @@ def uninstall(engine: Engine, mapping: TaskTableMapping | None = None) -> list[s
     were dropped."""
     check_connection(engine)
     before = migrate.owned_tables(engine)
+    _remove_wal(engine)
     with engine.begin() as conn:
         remove_capture(conn)
         if mapping is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 import click
@@ -434,10 +435,18 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
         relay_ = components.relay(engine, bus, partition=partition, registry=registry)
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
+        streamer = None
+        if settings.capture.mode == "wal" and partition == 0:
+            # The slot is read by one process at a time (a second one waits, retrying, until it is free).
+            streamer = components.wal_capture(engine, bus)
+            wal_thread = threading.Thread(target=streamer.run, args=(stop,), name="pollbridge-wal", daemon=True)
+            wal_thread.start()
+            click.echo(f"streaming the write-ahead log of {settings.mapping.table} (slot pollbridge_slot)", err=True)
         settle_heap()
         relay_.run(stop)
-        click.echo(f"relay stopped: {int(relay_.metrics.value('pollbridge_relay_published_total'))} published",
-                   err=True)
+        captured = f", {streamer.captured} captured from the write-ahead log" if streamer is not None else ""
+        click.echo(f"relay stopped: {int(relay_.metrics.value('pollbridge_relay_published_total'))} published"
+                   f"{captured}", err=True)
     finally:
         if bus is not None:
             bus.close()

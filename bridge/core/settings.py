@@ -49,6 +49,7 @@ from bridge.core.urls import validate_bus_url, validate_namespace
 # How the relay learns of new outbox rows (docs/capture.md).
 WakeMode = Literal["poll", "notify", "adaptive"]
 WAKE_MODES: tuple[WakeMode, ...] = ("poll", "notify", "adaptive")
+CAPTURE_MODES = ("trigger", "wal")
 
 DEFAULT_DATABASE_URL = "sqlite:///pollbridge.db"
 DEFAULT_BUS_URL = "embedded"
@@ -57,6 +58,7 @@ DEFAULT_CONFIG_FILE = "pollbridge.toml"
 ENV_CONFIG = "POLLBRIDGE_CONFIG"
 ENV_DATABASE_URL = "POLLBRIDGE_DATABASE_URL"
 ENV_BUS_URL = "POLLBRIDGE_BUS_URL"
+ENV_CAPTURE_MODE = "POLLBRIDGE_CAPTURE_MODE"
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,13 @@ class BusSettings:
 class CaptureSettings:
     wake: str = "adaptive"
     relay_partitions: int = 1
+    #: ``trigger`` (row triggers write the outbox in the writer's transaction; SQLite, or PostgreSQL without
+    #: logical decoding) or ``wal`` (PostgreSQL's write-ahead log, streamed from a replication slot).
+    mode: str = "trigger"
 
     def __post_init__(self) -> None:
+        if self.mode not in CAPTURE_MODES:
+            raise ConfigError(f"capture.mode must be one of {', '.join(CAPTURE_MODES)}, got {self.mode!r}")
         if self.wake not in WAKE_MODES:
             raise ConfigError(f"capture.wake must be one of {', '.join(WAKE_MODES)}, got {self.wake!r}")
         _positive(self.relay_partitions, "capture.relay_partitions", integer=True)
@@ -416,6 +423,11 @@ def load_settings(
     settings = settings.with_overrides(
         database_url=env.get(ENV_DATABASE_URL) or None, bus_url=env.get(ENV_BUS_URL) or None
     )
+    if env.get(ENV_CAPTURE_MODE):
+        try:
+            settings = replace(settings, capture=replace(settings.capture, mode=env[ENV_CAPTURE_MODE]))
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {ENV_CAPTURE_MODE})") from None
     return settings.with_overrides(database_url=database_url, bus_url=bus_url)
 
 
@@ -429,7 +441,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
                           f"expected some of: {', '.join(sorted(known))}")
     database = _table(raw, "database", {"url"})
     bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout", "listen"})
-    capture = _table(raw, "capture", {"wake", "relay_partitions"})
+    capture = _table(raw, "capture", {"wake", "relay_partitions", "mode"})
     relay = _table(raw, "relay", {f.name for f in fields(RelaySettings)})
     scheduler = _scheduler_settings(raw)
     poller = _table(raw, "poller", {"interval", "batch_size", "running_timeout"})

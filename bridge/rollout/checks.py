@@ -37,7 +37,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.bus.base import EventBus
 from bridge.capture.leadership import ADVISORY_NAMESPACE
-from bridge.capture.triggers import capture_status
+from bridge.capture.wal import capture_state
 from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.phases import PHASES, Flag, Phase
 from bridge.core.settings import Settings
@@ -190,8 +190,8 @@ def _capture(p: Probe) -> Outcome:
     capture = p.settings.capture
     with read_only(p.engine).connect() as conn:
         # With the configured [capture] settings: a capture installed with others is outdated too.
-        return capture_status(conn, p.tables, wake=capture.wake,  # type: ignore[arg-type]
-                              relay_partitions=capture.relay_partitions)
+        return capture_state(conn, p.tables, capture.mode, wake=capture.wake,
+                             relay_partitions=capture.relay_partitions)
 
 
 def _dispatch_writable(p: Probe) -> Outcome:

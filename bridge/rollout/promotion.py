@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from bridge.capture.triggers import capture_status
+from bridge.capture.wal import capture_state
 from bridge.core.errors import FlagError, GateRefused
 from bridge.core.phases import PHASES, Flag, Phase
 from bridge.core.settings import GateSettings
@@ -72,7 +72,7 @@ def evaluate_gate(engine: Engine, tt: TaskTable, flag: Flag, target: Phase, sett
     name = flag.workflow_type
     if target == "dual_write":
         with read_only(engine).connect() as conn:
-            installed, detail = capture_status(conn, tt)
+            installed, detail = capture_state(conn, tt)
         return GateResult(name, target, (Criterion("capture_installed", installed, detail),), {})
     until = now or db_clock(engine)
     since = until - timedelta(seconds=settings.window)

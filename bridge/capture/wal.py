@@ -1,0 +1,456 @@
+"""Change capture from PostgreSQL's write-ahead log (``[capture] mode = "wal"``): nothing in the scheduler's
+transactions, nothing in its schema.
+
+``init`` creates a publication of the mapped task table (only the columns capture reads: a column list, so
+an unrelated wide column never travels) and a logical replication slot on the built-in ``pgoutput`` plugin;
+``uninstall`` drops both. No trigger, function or grant is added to the scheduler's schema.
+
+:class:`WalCapture` streams the slot over the replication protocol (psycopg2's
+``LogicalReplicationConnection``: psycopg 3 has no replication protocol) and turns each committed insert or
+update of the table into the outbox row the capture trigger would have written, with two differences that
+follow from the log: ``created_at`` is the **commit** time (a change is never dated before it could be
+seen), and the event id is derived from the commit's LSN and the change's place in it, so a change streamed
+again after a restart is a duplicate with the same id. A batch of transactions becomes one transaction of
+pollbridge's: the rows are inserted already published (``published_at`` set), their events are published to
+the bus inside it (on the embedded bus, in it; on Redis before its commit), a foreign scheduler's dispatches
+are recorded in it, and only after it committed is the slot told the batch's last commit LSN is flushed. A
+crash anywhere in between streams the batch again: at least once. The outbox keeps its role for retention,
+bus-loss replay (the relay republishes retained rows), ``explain`` and the reconciler.
+
+**Which changes.** The log carries the new row of an insert or update, and of the old row only the replica
+identity's columns (the primary key) unless the table is ``REPLICA IDENTITY FULL``. pollbridge does not
+alter the scheduler's table. Without the old row it keeps the watched values (status, due time, signal) it
+last saw per task id in memory (:data:`SEEN_CACHE` rows): an update that changed none of them is skipped,
+one whose task is not in the cache is captured as a status change with no old status (which the scheduler
+and the dispatch evidence treat as they treat any: the event names the instance to look at). A new primary
+key is an ``identity`` change. Deletes are not captured (the trigger never captured them either).
+
+Not yet supported in this mode (refused by ``init`` and ``doctor`` in one line): ``[[mapping.related]]``
+tables, and captured columns that only the read view has.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection, Engine
+
+from bridge.bus.base import EventBus
+from bridge.capture.evidence import record_foreign_dispatches
+from bridge.capture.pgoutput import UNCHANGED, Begin, Change, Commit, DecodeError, Relation, Value, decode, lsn_text
+from bridge.capture.queries import event_payload_sql
+from bridge.capture.triggers import WATCHED, capture_status, capture_target
+from bridge.core.backoff import Backoff
+from bridge.core.errors import MappingMismatch, first_line
+from bridge.core.events import encoded_event
+from bridge.core.mapping import TaskTableMapping
+from bridge.db.schema import outbox
+from bridge.tasktable.tables import TaskTable
+
+log = logging.getLogger(__name__)
+
+PUBLICATION = "pollbridge_publication"
+SLOT = "pollbridge_slot"
+#: Task ids whose watched values are remembered, to skip updates that changed none of them.
+SEEN_CACHE = 200_000
+#: Most changes in one of pollbridge's transactions.
+BATCH_ROWS = 5_000
+#: Seconds between standby status updates while the stream is idle (the server's wal_sender_timeout is 60 s).
+FEEDBACK_INTERVAL = 10.0
+_EVENT_NAMESPACE = uuid.UUID("6f1c2a8e-3b51-4d0e-9a57-1f2b9c7d4e10")
+#: Mapped columns the capture reads (as the trigger does).
+_CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
+             "attempts", "workflow_type")
+
+
+# --- installing -----------------------------------------------------------------------------------------
+
+def captured_columns(conn: Connection, tt: TaskTable) -> list[str]:
+    """The task-table columns the publication carries. Raises :class:`MappingMismatch` (one line) for what
+    this mode does not support yet."""
+    if conn.dialect.name != "postgresql":
+        raise MappingMismatch("[capture] mode = 'wal' needs PostgreSQL (SQLite has no write-ahead log to read); "
+                              "use mode = 'trigger'")
+    if tt.mapping.related:
+        raise MappingMismatch("[capture] mode = 'wal' does not capture [[mapping.related]] tables yet; use mode = "
+                              "'trigger' for this mapping")
+    target = capture_target(conn, tt)
+    columns: list[str] = []
+    for logical in _CAPTURED:
+        for column in tt.mapping.columns.parts(logical):
+            if column not in target.c:
+                raise MappingMismatch(f"[capture] mode = 'wal' reads column {column!r} (mapping.columns.{logical}) "
+                                      f"from table {tt.mapping.table!r}, which lacks it; use mode = 'trigger'")
+            if column not in columns:
+                columns.append(column)
+    return columns
+
+
+def settings_problems(conn: Connection) -> list[str]:
+    """What the server must change before WAL capture can run, one line each (empty: nothing)."""
+    problems = []
+    level = conn.exec_driver_sql("SHOW wal_level").scalar()
+    if level != "logical":
+        problems.append(f"wal_level is {level!r}: set it to logical (ALTER SYSTEM SET wal_level = logical; then "
+                        "restart PostgreSQL)")
+    slots = int(conn.exec_driver_sql("SHOW max_replication_slots").scalar() or 0)
+    used = int(conn.exec_driver_sql("SELECT count(*) FROM pg_catalog.pg_replication_slots "
+                                    f"WHERE slot_name <> '{SLOT}'").scalar() or 0)
+    if used >= slots:
+        problems.append(f"max_replication_slots is {slots} and {used} slot(s) are taken: raise it (restart needed)")
+    if int(conn.exec_driver_sql("SHOW max_wal_senders").scalar() or 0) < 1:
+        problems.append("max_wal_senders is 0: set it to at least 1 (restart needed)")
+    role = conn.exec_driver_sql("SELECT rolreplication OR rolsuper FROM pg_catalog.pg_roles "
+                                "WHERE rolname = current_user").scalar()
+    if not role:
+        problems.append("the role pollbridge connects as has no REPLICATION attribute: ALTER ROLE ... REPLICATION")
+    keep = conn.exec_driver_sql("SHOW max_slot_wal_keep_size").scalar()
+    if str(keep) in ("-1", "-1MB"):
+        problems.append("max_slot_wal_keep_size is -1 (unlimited): a slot nobody reads would keep WAL until the disk "
+                        "fills; bound it (ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT "
+                        "pg_reload_conf())")
+    return problems
+
+
+def _qualified(conn: Connection, tt: TaskTable) -> str:
+    prep = conn.dialect.identifier_preparer
+    m = tt.mapping
+    return f"{prep.quote_schema(m.schema)}.{prep.quote(m.table)}" if m.schema else prep.quote(m.table)
+
+
+def install_publication(conn: Connection, tt: TaskTable) -> None:
+    """(Re)create the publication of the mapped table's captured columns, inside the caller's transaction."""
+    columns = captured_columns(conn, tt)
+    prep = conn.dialect.identifier_preparer
+    conn.exec_driver_sql(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
+    column_list = ", ".join(prep.quote(c) for c in columns)
+    conn.exec_driver_sql(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {_qualified(conn, tt)} ({column_list}) "
+                         "WITH (publish = 'insert, update')")
+
+
+def ensure_slot(engine: Engine) -> bool:
+    """Create the replication slot unless it exists (outside any transaction: PostgreSQL refuses to create one
+    in a transaction that wrote). True if it was created."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = '{SLOT}'").first():
+            return False
+        conn.exec_driver_sql(f"SELECT pg_catalog.pg_create_logical_replication_slot('{SLOT}', 'pgoutput')")
+        return True
+
+
+def remove_wal(conn: Connection) -> list[str]:
+    """Drop the slot and the publication if they exist (PostgreSQL; nothing elsewhere). A slot a relay is
+    streaming cannot be dropped: :class:`MappingMismatch` says to stop the relay first."""
+    if conn.dialect.name != "postgresql":
+        return []
+    dropped = []
+    active = conn.exec_driver_sql("SELECT active FROM pg_catalog.pg_replication_slots "
+                                  f"WHERE slot_name = '{SLOT}'").first()
+    if active is not None:
+        if active[0]:
+            raise MappingMismatch(f"replication slot {SLOT} is being read (a relay is running): stop the relay first")
+        conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{SLOT}')")
+        dropped.append(SLOT)
+    if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{PUBLICATION}'").first():
+        conn.exec_driver_sql(f"DROP PUBLICATION {PUBLICATION}")
+        dropped.append(PUBLICATION)
+    return dropped
+
+
+@dataclass(frozen=True)
+class SlotState:
+    exists: bool
+    active: bool = False
+    wal_status: str | None = None  # reserved, extended, unreserved, lost
+    retained_bytes: int | None = None  # WAL the slot keeps (current LSN - restart LSN)
+    lag_bytes: int | None = None  # not yet confirmed (current LSN - confirmed flush LSN)
+
+
+def slot_state(conn: Connection) -> SlotState:
+    row = conn.exec_driver_sql(
+        "SELECT active, wal_status, pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn), "
+        "pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), confirmed_flush_lsn) "
+        f"FROM pg_catalog.pg_replication_slots WHERE slot_name = '{SLOT}'").first()
+    if row is None:
+        return SlotState(False)
+    return SlotState(True, bool(row[0]), row[1], None if row[2] is None else int(row[2]),
+                     None if row[3] is None else int(row[3]))
+
+
+def wal_status(conn: Connection, tt: TaskTable) -> tuple[bool, str]:
+    """Whether WAL capture is installed and current for the mapping (for doctor and the dual_write gate)."""
+    try:
+        columns = captured_columns(conn, tt)
+    except MappingMismatch as exc:
+        return False, str(exc)
+    problems = settings_problems(conn)
+    if problems:
+        return False, problems[0]
+    published = conn.exec_driver_sql(
+        "SELECT attnames FROM pg_catalog.pg_publication_tables WHERE pubname = %(p)s AND tablename = %(t)s",
+        {"p": PUBLICATION, "t": tt.mapping.table}).first()
+    if published is None:
+        return False, f"publication {PUBLICATION} of {tt.mapping.table!r} missing; run `pollbridge init`"
+    if sorted(published[0] or []) != sorted(columns):
+        return False, (f"publication {PUBLICATION} carries {sorted(published[0] or [])}, the mapping reads "
+                       f"{sorted(columns)}; run `pollbridge init` to regenerate it")
+    state = slot_state(conn)
+    if not state.exists:
+        return False, f"replication slot {SLOT} missing; run `pollbridge init`"
+    if state.wal_status == "lost":
+        return False, (f"replication slot {SLOT} was invalidated (the WAL it needed was removed): run `pollbridge "
+                       "init` to recreate it; the scheduler's catch-up re-derives what changed meanwhile")
+    return True, (f"write-ahead-log capture of {tt.mapping.table!r}: publication {PUBLICATION}, slot {SLOT} "
+                  f"({'streaming' if state.active else 'not being read'}, {state.retained_bytes or 0} bytes of WAL "
+                  "retained)")
+
+
+def publication_exists(conn: Connection) -> bool:
+    return conn.dialect.name == "postgresql" and conn.exec_driver_sql(
+        f"SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{PUBLICATION}'").first() is not None
+
+
+def capture_state(conn: Connection, tt: TaskTable, mode: str | None = None, *, wake: str | None = None,
+                  relay_partitions: int | None = None) -> tuple[bool, str]:
+    """Whether capture in ``mode`` (``None``: the mode installed, found from the database) is installed and
+    current: :func:`wal_status` or :func:`bridge.capture.triggers.capture_status`."""
+    if mode is None:
+        mode = "wal" if publication_exists(conn) else "trigger"
+    if mode == "wal":
+        return wal_status(conn, tt)
+    return capture_status(conn, tt, wake=wake, relay_partitions=relay_partitions)  # type: ignore[arg-type]
+
+
+# --- streaming ------------------------------------------------------------------------------------------
+
+@dataclass
+class _Pending:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    end_lsn: int = 0  # the last commit's end LSN: what may be confirmed once the rows are durable
+
+
+class WalCapture:
+    """Streams the slot and writes the captured changes to the outbox, published (see the module docstring).
+
+    ``run(stop)`` reconnects after failures (backoff); :meth:`handle` and :meth:`flush` are the steps,
+    separately testable."""
+
+    def __init__(self, engine: Engine, tables: TaskTable, bus: EventBus, *, relay_partitions: int = 1,
+                 foreign: TaskTableMapping | None = None, batch_rows: int = BATCH_ROWS) -> None:
+        self.engine = engine
+        self.tables = tables
+        self.bus = bus
+        self.relay_partitions = relay_partitions
+        self.foreign = foreign
+        self.batch_rows = batch_rows
+        self.relations: dict[int, Relation] = {}
+        self.pending = _Pending()
+        self._txn: list[dict[str, Any]] | None = None
+        self._changes = 0
+        self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
+        self.confirmed_lsn = 0
+        self.captured = 0
+        cols = tables.mapping.columns
+        self._watched = [(kind, column) for kind, logical in WATCHED if (column := getattr(cols, logical))]
+        self._insert = self._insert_statement()
+
+    # --- decoding --------------------------------------------------------------------------------------
+    def handle(self, payload: bytes) -> None:
+        """One message of the stream."""
+        message = decode(payload)
+        if isinstance(message, Relation):
+            self.relations[message.relid] = message
+        elif isinstance(message, Begin):
+            self._txn = []
+            self._changes = 0
+        elif isinstance(message, Change):
+            if self._txn is None:
+                raise DecodeError("a change outside a transaction")
+            # Numbered among all the transaction's changes, skipped ones included: a change streamed again
+            # gets the same event id whatever this process remembered the first time.
+            row = self._row(message, self._changes)
+            self._changes += 1
+            if row is not None:
+                self._txn.append(row)
+        elif isinstance(message, Commit):
+            rows = self._txn or []
+            for row in rows:
+                row["created_at"] = message.commit_time
+                row["event_id"] = str(uuid.uuid5(_EVENT_NAMESPACE, f"{message.commit_lsn}:{row.pop('pb_n')}"))
+            self.pending.rows += rows
+            self.pending.end_lsn = message.end_lsn
+            self._txn = None
+
+    def _row(self, change: Change, n: int) -> dict[str, Any] | None:
+        relation = self.relations.get(change.relid)
+        if relation is None or change.kind == "delete" or change.new is None:
+            return None
+        names = [c.name for c in relation.columns]
+        new = dict(zip(names, change.new, strict=False))
+        old = dict(zip(names, change.old, strict=False)) if change.old is not None else None
+        cols = self.tables.mapping.columns
+        task_id = new.get(cols.id)
+        if not isinstance(task_id, str):
+            return None
+        watched_now = tuple(new.get(c) for _, c in self._watched)
+        remembered = self._seen.get(task_id)
+        kind, old_status = "insert", None
+        if change.kind == "update":
+            before: tuple[Value, ...] | None = None
+            if old is not None and cols.id in old and old[cols.id] != task_id:
+                before = None
+                kind = "identity"
+            elif old is not None and all(c in old for _, c in self._watched):
+                before = tuple(old.get(c) for _, c in self._watched)
+            else:
+                before = remembered
+            if kind != "identity":
+                if before is None:
+                    kind = "status"
+                else:
+                    # An unchanged TOASTed value travels as "unchanged": it did not change.
+                    changed = [k for (k, _), a, b in zip(self._watched, before, watched_now, strict=True)
+                               if b is not UNCHANGED and a != b]
+                    if not changed:
+                        self._remember(task_id, watched_now)
+                        return None
+                    kind = changed[0]
+                    old_status = before[[c for _, c in self._watched].index(cols.status)]
+        self._remember(task_id, watched_now)
+        status = new.get(cols.status)
+        attempt = new.get(cols.attempts) if cols.attempts else None
+        return {
+            "pb_n": n,
+            "task_id": task_id,
+            "instance_id": "/".join(_text(new.get(c)) for c in cols.parts("instance_id")),
+            "task_key": "/".join(_text(new.get(c)) for c in cols.parts("task_key")),
+            "workflow_type": _text(new.get(cols.workflow_type)) if cols.workflow_type else None,
+            "change": kind,
+            "old_status": None if old_status is UNCHANGED else old_status,
+            "new_status": None if status is UNCHANGED else status,
+            "attempt": int(attempt) if isinstance(attempt, str) and attempt.isdigit() and len(attempt) < 10 else None,
+            "trace_id": uuid.uuid4().hex,
+        }
+
+    def _remember(self, task_id: str, values: tuple[Value, ...]) -> None:
+        self._seen[task_id] = values
+        self._seen.move_to_end(task_id)
+        if len(self._seen) > SEEN_CACHE:
+            self._seen.popitem(last=False)
+
+    # --- writing ---------------------------------------------------------------------------------------
+    def _insert_statement(self) -> Any:
+        o = outbox.c
+        names = ("event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
+                 "new_status", "attempt", "trace_id", "created_at")
+        types: dict[str, Any] = {"attempt": sa.Integer, "created_at": sa.DateTime(timezone=True)}
+        arrays = [sa.bindparam(f"pb_{n}", type_=postgresql.ARRAY(types.get(n, sa.Text))) for n in names]
+        rows = sa.func.unnest(*arrays).table_valued(*(sa.column(n, types.get(n, sa.Text)) for n in names))
+        partition: Any = sa.literal(0)
+        if self.relay_partitions > 1:
+            partition = sa.func.mod(sa.func.hashtext(rows.c.instance_id).op("&")(2147483647),
+                                    self.relay_partitions)
+        select = sa.select(*(rows.c[n] for n in names), partition, sa.func.clock_timestamp())
+        return (outbox.insert().from_select([*names, "relay_partition", "published_at"], select)
+                .returning(o.id, o.event_id, o.task_id, o.instance_id, o.task_key, o.change, o.old_status,
+                           o.new_status, o.attempt, o.created_at, o.trace_id, event_payload_sql("postgresql")))
+
+    def flush(self) -> int:
+        """Write, publish and record the pending changes in one transaction; return how many. The caller
+        confirms :attr:`pending`'s LSN to the server afterwards (:attr:`confirmed_lsn` moves here)."""
+        rows, end_lsn = self.pending.rows, self.pending.end_lsn
+        if rows:
+            with self.engine.begin() as conn:
+                self._fill_types(conn, rows)
+                params = {f"pb_{n}": [r[n] for r in rows] for n in (
+                    "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
+                    "new_status", "attempt", "trace_id", "created_at")}
+                written = conn.execute(self._insert, params).all()
+                if self.foreign is not None:
+                    record_foreign_dispatches(conn, self.foreign, written)
+                self.bus.publish_in(conn, [encoded_event(r.event_id, r.instance_id, r.task_id, r.payload)
+                                           for r in written])
+        self.pending = _Pending(end_lsn=end_lsn)
+        self.confirmed_lsn = max(self.confirmed_lsn, end_lsn)
+        self.captured += len(rows)
+        return len(rows)
+
+    def _fill_types(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """The workflow type from the instances table, where the mapping takes it from there."""
+        m = self.tables.mapping
+        if m.columns.workflow_type or m.instances is None or self.tables.instances is None:
+            return
+        inst = self.tables.instances
+        ids = sorted({r["instance_id"] for r in rows})
+        found = dict(conn.execute(sa.select(sa.cast(inst.c[m.instances.id], sa.Text),
+                                            sa.cast(inst.c[m.instances.workflow_type], sa.Text))
+                                  .where(sa.cast(inst.c[m.instances.id], sa.Text).in_(ids))).all())
+        for r in rows:
+            r["workflow_type"] = found.get(r["instance_id"])
+
+    # --- the loop --------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Stream until ``stop``; reconnect with backoff after a failure (the slot resends what was not
+        confirmed)."""
+        backoff = Backoff(first=0.5, cap=10.0)
+        while not stop.is_set():
+            try:
+                self._stream(stop)
+                backoff.reset()
+            except Exception as exc:  # a lost connection, a server restart, a busy slot: try again
+                delay = backoff.next()
+                log.warning("write-ahead-log capture stopped (%s); reconnecting in %.1f s", first_line(exc), delay)
+                self.pending = _Pending(end_lsn=self.confirmed_lsn)
+                self._txn = None
+                stop.wait(delay)
+
+    def _stream(self, stop: threading.Event) -> None:
+        import psycopg2  # type: ignore[import-untyped]
+        import psycopg2.extras  # type: ignore[import-untyped]
+
+        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+        try:
+            cur = conn.cursor()
+            cur.start_replication(slot_name=SLOT, decode=False,
+                                  options={"proto_version": "1", "publication_names": PUBLICATION})
+            log.info("streaming slot %s from %s", SLOT, lsn_text(self.confirmed_lsn))
+            last_feedback = time.monotonic()
+            while not stop.is_set():
+                message = cur.read_message()
+                if message is not None:
+                    self.handle(message.payload)
+                    if len(self.pending.rows) >= self.batch_rows:
+                        self._flush_and_confirm(cur)
+                        last_feedback = time.monotonic()
+                    continue
+                # Nothing waiting: what is pending goes out now (a batch is what arrived together).
+                if self.pending.rows or self.pending.end_lsn > self.confirmed_lsn:
+                    self._flush_and_confirm(cur)
+                    last_feedback = time.monotonic()
+                elif time.monotonic() - last_feedback >= FEEDBACK_INTERVAL:
+                    cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=False)
+                    last_feedback = time.monotonic()
+                select.select([cur], [], [], 0.5)
+        finally:
+            conn.close()
+
+    def _flush_and_confirm(self, cur: Any) -> None:
+        self.flush()
+        if self.confirmed_lsn:
+            cur.send_feedback(flush_lsn=self.confirmed_lsn)
+
+
+def _text(value: Value) -> str:
+    return "" if value is None or value is UNCHANGED else str(value)
+
