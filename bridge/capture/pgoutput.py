@@ -66,13 +66,15 @@ Value = str | None | _Unchanged
 @dataclass(frozen=True)
 class Change:
     """An insert, update or delete of one row of relation ``relid``: ``new`` (insert, update) and ``old``
-    (update and delete: the replica identity's columns, every column with ``REPLICA IDENTITY FULL``; None when
-    the update did not send it)."""
+    (update and delete; None when the update did not send it). ``old_full``: ``old`` is the whole old row
+    (``REPLICA IDENTITY FULL``, marker ``O``); otherwise (marker ``K``) only its replica identity's columns
+    are values and the others are sent as NULL."""
 
     kind: str  # insert | update | delete
     relid: int
     new: tuple[Value, ...] | None
     old: tuple[Value, ...] | None
+    old_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,18 +175,19 @@ def decode(data: bytes) -> Message:
     if tag == "U":
         relid = r.uint32()
         marker = r.byte()
-        old = None
+        old, full = None, marker == "O"
         if marker in ("K", "O"):
             old = r.tuple()
             marker = r.byte()
         if marker != "N":
             raise DecodeError(f"update without a new tuple (marker {marker!r})")
-        return Change("update", relid, r.tuple(), old)
+        return Change("update", relid, r.tuple(), old, full)
     if tag == "D":
         relid = r.uint32()
-        if r.byte() not in ("K", "O"):
+        marker = r.byte()
+        if marker not in ("K", "O"):
             raise DecodeError("delete without an old tuple")
-        return Change("delete", relid, None, r.tuple())
+        return Change("delete", relid, None, r.tuple(), marker == "O")
     if tag in ("O", "Y", "T", "M"):
         return Skipped(tag)
     raise DecodeError(f"unknown message tag {tag!r}")

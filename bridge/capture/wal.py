@@ -32,10 +32,12 @@ tables, and captured columns that only the read view has.
 from __future__ import annotations
 
 import logging
+import re
 import select
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,7 +62,16 @@ from bridge.tasktable.tables import TaskTable
 log = logging.getLogger(__name__)
 
 PUBLICATION = "pollbridge_publication"
-SLOT = "pollbridge_slot"
+#: Slot names are the cluster's, not the database's: each database's slot is ``pollbridge_<database>_<crc>``.
+SLOT_PREFIX = "pollbridge_"
+
+
+def slot_name(conn: Connection) -> str:
+    """This database's slot: ``pollbridge_`` + the database name made a valid slot name + its crc32 (names
+    that clean up alike stay apart), at most 63 characters."""
+    database = str(conn.exec_driver_sql("SELECT pg_catalog.current_database()").scalar())
+    clean = re.sub(r"[^a-z0-9_]", "_", database.lower())[:40]
+    return f"{SLOT_PREFIX}{clean}_{zlib.crc32(database.encode()):08x}"
 #: Task ids whose watched values are remembered, to skip updates that changed none of them.
 SEEN_CACHE = 200_000
 #: Most changes in one of pollbridge's transactions.
@@ -105,7 +116,7 @@ def settings_problems(conn: Connection) -> list[str]:
                         "restart PostgreSQL)")
     slots = int(conn.exec_driver_sql("SHOW max_replication_slots").scalar() or 0)
     used = int(conn.exec_driver_sql("SELECT count(*) FROM pg_catalog.pg_replication_slots "
-                                    f"WHERE slot_name <> '{SLOT}'").scalar() or 0)
+                                    f"WHERE slot_name <> '{slot_name(conn)}'").scalar() or 0)
     if used >= slots:
         problems.append(f"max_replication_slots is {slots} and {used} slot(s) are taken: raise it (restart needed)")
     if int(conn.exec_driver_sql("SHOW max_wal_senders").scalar() or 0) < 1:
@@ -142,9 +153,10 @@ def ensure_slot(engine: Engine) -> bool:
     """Create the replication slot unless it exists (outside any transaction: PostgreSQL refuses to create one
     in a transaction that wrote). True if it was created."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = '{SLOT}'").first():
+        slot = slot_name(conn)
+        if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'").first():
             return False
-        conn.exec_driver_sql(f"SELECT pg_catalog.pg_create_logical_replication_slot('{SLOT}', 'pgoutput')")
+        conn.exec_driver_sql(f"SELECT pg_catalog.pg_create_logical_replication_slot('{slot}', 'pgoutput')")
         return True
 
 
@@ -154,13 +166,14 @@ def remove_wal(conn: Connection) -> list[str]:
     if conn.dialect.name != "postgresql":
         return []
     dropped = []
+    slot = slot_name(conn)
     active = conn.exec_driver_sql("SELECT active FROM pg_catalog.pg_replication_slots "
-                                  f"WHERE slot_name = '{SLOT}'").first()
+                                  f"WHERE slot_name = '{slot}'").first()
     if active is not None:
         if active[0]:
-            raise MappingMismatch(f"replication slot {SLOT} is being read (a relay is running): stop the relay first")
-        conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{SLOT}')")
-        dropped.append(SLOT)
+            raise MappingMismatch(f"replication slot {slot} is being read (a relay is running): stop the relay first")
+        conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{slot}')")
+        dropped.append(slot)
     if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{PUBLICATION}'").first():
         conn.exec_driver_sql(f"DROP PUBLICATION {PUBLICATION}")
         dropped.append(PUBLICATION)
@@ -180,7 +193,7 @@ def slot_state(conn: Connection) -> SlotState:
     row = conn.exec_driver_sql(
         "SELECT active, wal_status, pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn), "
         "pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), confirmed_flush_lsn) "
-        f"FROM pg_catalog.pg_replication_slots WHERE slot_name = '{SLOT}'").first()
+        f"FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot_name(conn)}'").first()
     if row is None:
         return SlotState(False)
     return SlotState(True, bool(row[0]), row[1], None if row[2] is None else int(row[2]),
@@ -205,12 +218,13 @@ def wal_status(conn: Connection, tt: TaskTable) -> tuple[bool, str]:
         return False, (f"publication {PUBLICATION} carries {sorted(published[0] or [])}, the mapping reads "
                        f"{sorted(columns)}; run `pollbridge init` to regenerate it")
     state = slot_state(conn)
+    slot = slot_name(conn)
     if not state.exists:
-        return False, f"replication slot {SLOT} missing; run `pollbridge init`"
+        return False, f"replication slot {slot} missing; run `pollbridge init`"
     if state.wal_status == "lost":
-        return False, (f"replication slot {SLOT} was invalidated (the WAL it needed was removed): run `pollbridge "
+        return False, (f"replication slot {slot} was invalidated (the WAL it needed was removed): run `pollbridge "
                        "init` to recreate it; the scheduler's catch-up re-derives what changed meanwhile")
-    return True, (f"write-ahead-log capture of {tt.mapping.table!r}: publication {PUBLICATION}, slot {SLOT} "
+    return True, (f"write-ahead-log capture of {tt.mapping.table!r}: publication {PUBLICATION}, slot {slot} "
                   f"({'streaming' if state.active else 'not being read'}, {state.retained_bytes or 0} bytes of WAL "
                   "retained)")
 
@@ -260,6 +274,8 @@ class WalCapture:
         self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
         self.confirmed_lsn = 0
         self.captured = 0
+        with engine.connect() as conn:
+            self.slot = slot_name(conn)
         cols = tables.mapping.columns
         self._watched = [(kind, column) for kind, logical in WATCHED if (column := getattr(cols, logical))]
         self._insert = self._insert_statement()
@@ -302,30 +318,30 @@ class WalCapture:
         task_id = new.get(cols.id)
         if not isinstance(task_id, str):
             return None
+        # The id before the change: the old key tuple's when the update changed the primary key.
+        old_id = old.get(cols.id) if old is not None and isinstance(old.get(cols.id), str) else task_id
         watched_now = tuple(new.get(c) for _, c in self._watched)
-        remembered = self._seen.get(task_id)
+        remembered = self._seen.pop(str(old_id), None) if old_id != task_id else self._seen.get(task_id)
         kind, old_status = "insert", None
         if change.kind == "update":
-            before: tuple[Value, ...] | None = None
-            if old is not None and cols.id in old and old[cols.id] != task_id:
-                before = None
-                kind = "identity"
-            elif old is not None and all(c in old for _, c in self._watched):
-                before = tuple(old.get(c) for _, c in self._watched)
+            before: list[Value] | None = None
+            if old is not None and change.old_full:  # REPLICA IDENTITY FULL: the whole old row
+                before = [old.get(c) for _, c in self._watched]
+            elif remembered is not None:
+                before = list(remembered)
+            if before is not None:
+                before[[c for _, c in self._watched].index(cols.id)] = old_id
+                # The first watched column that changed names the kind, as in the trigger; an unchanged
+                # TOASTed value travels as "unchanged": it did not change.
+                changed = [k for (k, _), a, b in zip(self._watched, before, watched_now, strict=True)
+                           if b is not UNCHANGED and a != b]
+                if not changed:
+                    self._remember(task_id, watched_now)
+                    return None
+                kind = changed[0]
+                old_status = before[[c for _, c in self._watched].index(cols.status)]
             else:
-                before = remembered
-            if kind != "identity":
-                if before is None:
-                    kind = "status"
-                else:
-                    # An unchanged TOASTed value travels as "unchanged": it did not change.
-                    changed = [k for (k, _), a, b in zip(self._watched, before, watched_now, strict=True)
-                               if b is not UNCHANGED and a != b]
-                    if not changed:
-                        self._remember(task_id, watched_now)
-                        return None
-                    kind = changed[0]
-                    old_status = before[[c for _, c in self._watched].index(cols.status)]
+                kind = "identity" if old_id != task_id else "status"  # not remembered: the status may have moved
         self._remember(task_id, watched_now)
         status = new.get(cols.status)
         attempt = new.get(cols.attempts) if cols.attempts else None
@@ -355,7 +371,8 @@ class WalCapture:
                  "new_status", "attempt", "trace_id", "created_at")
         types: dict[str, Any] = {"attempt": sa.Integer, "created_at": sa.DateTime(timezone=True)}
         arrays = [sa.bindparam(f"pb_{n}", type_=postgresql.ARRAY(types.get(n, sa.Text))) for n in names]
-        rows = sa.func.unnest(*arrays).table_valued(*(sa.column(n, types.get(n, sa.Text)) for n in names))
+        rows = sa.func.unnest(*arrays).table_valued(*(sa.column(n, types.get(n, sa.Text)) for n in names)) \
+            .render_derived(name="pb_rows")
         partition: Any = sa.literal(0)
         if self.relay_partitions > 1:
             partition = sa.func.mod(sa.func.hashtext(rows.c.instance_id).op("&")(2147483647),
@@ -415,16 +432,16 @@ class WalCapture:
                 stop.wait(delay)
 
     def _stream(self, stop: threading.Event) -> None:
-        import psycopg2  # type: ignore[import-untyped]
-        import psycopg2.extras  # type: ignore[import-untyped]
+        import psycopg2
+        import psycopg2.extras
 
         dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
         try:
             cur = conn.cursor()
-            cur.start_replication(slot_name=SLOT, decode=False,
+            cur.start_replication(slot_name=self.slot, decode=False,
                                   options={"proto_version": "1", "publication_names": PUBLICATION})
-            log.info("streaming slot %s from %s", SLOT, lsn_text(self.confirmed_lsn))
+            log.info("streaming slot %s from %s", self.slot, lsn_text(self.confirmed_lsn))
             last_feedback = time.monotonic()
             while not stop.is_set():
                 message = cur.read_message()
@@ -444,6 +461,55 @@ class WalCapture:
                 select.select([cur], [], [], 0.5)
         finally:
             conn.close()
+
+    def catch_up(self, timeout: float = 30.0) -> int:
+        """Stream until everything committed before this call is captured and confirmed, then disconnect;
+        return how many changes were written. For tests and tools: the running capture is :meth:`run`."""
+        import psycopg2
+        import psycopg2.extras
+
+        with self.engine.connect() as sa_conn:
+            target = int(sa_conn.exec_driver_sql(
+                "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), '0/0')").scalar_one())
+        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+        before = self.captured
+        deadline = time.monotonic() + timeout
+        try:
+            cur = conn.cursor()
+            cur.start_replication(slot_name=self.slot, decode=False,
+                                  options={"proto_version": "1", "publication_names": PUBLICATION})
+            while True:
+                message = cur.read_message()
+                if message is not None:
+                    self.handle(message.payload)
+                    continue
+                if self._txn is None and max(self.pending.end_lsn, int(cur.wal_end or 0)) >= target:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"write-ahead-log capture did not reach {lsn_text(target)} in {timeout:g} s")
+                cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=True)
+                select.select([cur], [], [], 0.2)
+            self._flush_and_confirm(cur)
+            self._await_confirmation(cur, deadline)
+        finally:
+            conn.close()
+        return self.captured - before
+
+    def _await_confirmation(self, cur: Any, deadline: float) -> None:
+        """Until the server has taken the confirmation (a connection closed right after sending it may lose
+        it, and the next stream would then start before it)."""
+        while self.confirmed_lsn and time.monotonic() < deadline:
+            with self.engine.connect() as conn:
+                confirmed = conn.exec_driver_sql(
+                    "SELECT pg_catalog.pg_wal_lsn_diff(confirmed_flush_lsn, '0/0') "
+                    f"FROM pg_catalog.pg_replication_slots WHERE slot_name = '{self.slot}'").scalar()
+            if confirmed is not None and int(confirmed) >= self.confirmed_lsn:
+                return
+            cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=True, force=True)
+            select.select([cur], [], [], 0.05)
+            while cur.read_message() is not None:
+                pass
 
     def _flush_and_confirm(self, cur: Any) -> None:
         self.flush()

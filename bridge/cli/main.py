@@ -441,7 +441,7 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
             streamer = components.wal_capture(engine, bus)
             wal_thread = threading.Thread(target=streamer.run, args=(stop,), name="pollbridge-wal", daemon=True)
             wal_thread.start()
-            click.echo(f"streaming the write-ahead log of {settings.mapping.table} (slot pollbridge_slot)", err=True)
+            click.echo(f"streaming the write-ahead log of {settings.mapping.table} (slot {streamer.slot})", err=True)
         settle_heap()
         relay_.run(stop)
         captured = f", {streamer.captured} captured from the write-ahead log" if streamer is not None else ""

@@ -76,10 +76,12 @@ def test_the_bus_follows_the_settings_and_gets_a_timeout_only_when_asked(
     redis.bus(engine)
     redis.bus_opener(engine)()
     Components(Settings()).bus(engine, timeout=BUS_TIMEOUT)  # embedded: no socket timeout to give
+    Components(Settings(bus=BusSettings(listen=False))).bus(engine)
     assert opened == [
         ("redis://h:6379/0", {"engine": engine, "partitions": 3, "namespace": "ns"}),
         ("redis://h:6379/0", {"engine": engine, "partitions": 3, "namespace": "ns", "socket_timeout": BUS_TIMEOUT}),
-        ("embedded", {"engine": engine, "partitions": 8, "namespace": "pollbridge"}),
+        ("embedded", {"engine": engine, "partitions": 8, "namespace": "pollbridge", "listen": True}),
+        ("embedded", {"engine": engine, "partitions": 8, "namespace": "pollbridge", "listen": False}),
     ]
 
 

@@ -83,12 +83,12 @@ def test_insert(new: tuple[Value, ...]) -> None:
 @given(values, st.one_of(st.none(), values), st.sampled_from([b"K", b"O"]))
 def test_update(new: tuple[Value, ...], old: tuple[Value, ...] | None, marker: bytes) -> None:
     raw = b"U" + struct.pack("!I", 7) + (b"" if old is None else marker + _tuple(old)) + b"N" + _tuple(new)
-    assert decode(raw) == Change("update", 7, new, old)
+    assert decode(raw) == Change("update", 7, new, old, old is not None and marker == b"O")
 
 
 @given(values)
 def test_delete(old: tuple[Value, ...]) -> None:
-    assert decode(b"D" + struct.pack("!I", 7) + b"K" + _tuple(old)) == Change("delete", 7, None, old)
+    assert decode(b"D" + struct.pack("!I", 7) + b"K" + _tuple(old)) == Change("delete", 7, None, old, False)
 
 
 @pytest.mark.parametrize("tag", [b"O", b"Y", b"T", b"M"])

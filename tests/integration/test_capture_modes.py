@@ -1,0 +1,278 @@
+"""One capture contract, two modes (issue 19): row triggers (SQLite, PostgreSQL) and the write-ahead log
+(PostgreSQL, ``[capture] mode = "wal"``, wal_level = logical).
+
+Each case writes to the reference task table as a scheduler would and reads what was captured: the trigger
+writes the outbox in the writer's transaction; the WAL capture streams the slot (``WalCapture.catch_up``: up
+to everything committed so far) and writes the same rows, already published. Then what only the log does:
+changes arrive in commit order, a change streamed again after a crash before the confirmation is a
+duplicate with the same event id, and the slot and publication are pollbridge's only objects (nothing in the
+scheduler's schema), removed by ``uninstall``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from bridge.app import install
+from bridge.bus import open_bus
+from bridge.capture import wal
+from bridge.capture.triggers import installed_triggers
+from bridge.capture.wal import WalCapture, capture_state, slot_state
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import CaptureSettings
+from bridge.db.engine import create_engine
+from bridge.db.schema import outbox
+from bridge.tasktable.tables import reflect_tables
+
+MODES = ["trigger-sqlite", pytest.param("trigger-postgresql", marks=pytest.mark.postgres),
+         pytest.param("wal-postgresql", marks=pytest.mark.postgres)]
+
+
+class Capture:
+    """The reference tables with capture installed in one mode; :meth:`rows` reads what was captured."""
+
+    def __init__(self, url: str, mode: str, mapping: TaskTableMapping | None = None) -> None:
+        self.mode = mode
+        self.engine = create_engine(url)
+        self.mapping = mapping or TaskTableMapping()
+        install.init(self.engine, demo_schema=True, mapping=self.mapping, capture=CaptureSettings(mode=mode))
+        self.tables = reflect_tables(self.engine, self.mapping)
+        self.bus = open_bus("embedded", engine=self.engine, partitions=2)
+        self.streamer = WalCapture(self.engine, self.tables, self.bus) if mode == "wal" else None
+
+    def rows(self, instance_id: str | None = None) -> list[Any]:
+        if self.streamer is not None:
+            self.streamer.catch_up()
+        q = sa.select(outbox).order_by(outbox.c.id)
+        if instance_id is not None:
+            q = q.where(outbox.c.instance_id == instance_id)
+        with self.engine.connect() as conn:
+            return list(conn.execute(q).all())
+
+    def close(self) -> None:
+        install.uninstall(self.engine, self.mapping)  # the slot first: a database with one cannot be dropped
+        self.bus.close()
+        self.engine.dispose()
+
+
+def _wal_available(url: str) -> None:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            problems = wal.settings_problems(conn)
+    finally:
+        engine.dispose()
+    if problems:
+        message = f"write-ahead-log capture cannot run here: {problems[0]}"
+        if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+
+def _open(request: pytest.FixtureRequest, tmp_path: Path, mode: str,
+          mapping: TaskTableMapping | None = None) -> Capture:
+    kind, _, dialect = mode.partition("-")
+    url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
+           else str(request.getfixturevalue("pg_empty_url")))
+    if kind == "wal":
+        _wal_available(url)
+    return Capture(url, kind, mapping)
+
+
+@pytest.fixture(params=MODES)
+def cap(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Capture]:
+    c = _open(request, tmp_path, request.param)
+    yield c
+    c.close()
+
+
+def _new_instance(c: Capture, instance_id: str, keys: list[str]) -> dict[str, int]:
+    t = c.tables.tasks
+    with c.engine.begin() as conn:
+        conn.execute(c.tables.instances.insert().values(id=instance_id, workflow_type="orders"))  # type: ignore[union-attr]
+        conn.execute(t.insert(), [{"instance_id": instance_id, "task_key": k, "depends_on": []} for k in keys])
+        rows = conn.execute(sa.select(t.c.task_key, t.c.id).where(t.c.instance_id == instance_id)).all()
+    return {k: i for k, i in rows}
+
+
+# --- the contract, both modes ----------------------------------------------------------------------------
+
+def test_insert_and_status_change_are_captured_with_their_facts(cap: Capture) -> None:
+    ids = _new_instance(cap, "m1", ["a"])
+    t = cap.tables.tasks
+    with cap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued", attempts=1))
+    rows = cap.rows("m1")
+    assert [(r.change, r.old_status, r.new_status, r.attempt) for r in rows] == [
+        ("insert", None, "pending", 0), ("status", "pending", "queued", 1)]
+    for r in rows:
+        assert (r.task_id, r.task_key, r.workflow_type) == (str(ids["a"]), "a", "orders")
+        assert uuid.UUID(r.event_id) and len(r.trace_id) == 32 and r.created_at is not None
+        # The trigger leaves publishing to the relay; the WAL capture publishes in its own transaction.
+        assert (r.published_at is None) == (cap.mode == "trigger")
+    assert rows[0].event_id != rows[1].event_id
+    assert rows[0].id < rows[1].id
+
+
+def test_no_op_and_unwatched_updates_capture_nothing(cap: Capture) -> None:
+    ids = _new_instance(cap, "m2", ["a"])
+    t = cap.tables.tasks
+    with cap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(status="pending"))  # the same value
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(attempts=2, max_attempts=5))  # not watched
+    assert [r.change for r in cap.rows("m2")] == ["insert"]
+
+
+def test_due_and_signal_changes_are_captured_in_order(cap: Capture) -> None:
+    ids = _new_instance(cap, "m3", ["a"])
+    t = cap.tables.tasks
+    now = sa.func.clock_timestamp() if cap.engine.dialect.name == "postgresql" else sa.func.datetime("now")
+    with cap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(due_at=now))
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(awaits_signal="approval"))
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(signal_received_at=now))
+    assert [r.change for r in cap.rows("m3")] == ["insert", "due", "signal", "signal"]
+
+
+def test_a_rolled_back_change_is_not_captured(cap: Capture) -> None:
+    ids = _new_instance(cap, "m4", ["a"])
+    t = cap.tables.tasks
+
+    class Abort(Exception):
+        pass
+
+    with pytest.raises(Abort), cap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
+        raise Abort
+    assert [r.change for r in cap.rows("m4")] == ["insert"]
+
+
+def test_a_new_row_id_is_an_identity_change(cap: Capture) -> None:
+    ids = _new_instance(cap, "m5", ["a", "b"])
+    t = cap.tables.tasks
+    with cap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(id=ids["a"] + 1000))
+        conn.execute(t.update().where(t.c.id == ids["b"]).values(id=ids["b"] + 1000, status="queued"))
+    rows = cap.rows("m5")
+    assert sorted((r.task_key, r.change, r.task_id) for r in rows if r.change != "insert") == [
+        ("a", "identity", str(ids["a"] + 1000)), ("b", "status", str(ids["b"] + 1000))]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_composite_keys_a_null_status_and_the_attempt(request: pytest.FixtureRequest, tmp_path: Path,
+                                                      mode: str) -> None:
+    mapping = TaskTableMapping.from_dict({
+        "columns": {"instance_id": ["instance_id", "task_key"], "task_key": ["task_key", "id"]},
+        "statuses": {"null": "pending"}})
+    c = _open(request, tmp_path, mode, mapping)
+    try:
+        t = c.tables.tasks
+        with c.engine.begin() as conn:
+            conn.execute(c.tables.instances.insert().values(id="k/a", workflow_type="orders"))  # type: ignore[union-attr]
+            task_id = conn.execute(t.insert().values(instance_id="k", task_key="a", depends_on=[], attempts=3)
+                                   .returning(t.c.id)).scalar_one()
+        with c.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id == task_id).values(status="queued"))
+        rows = c.rows()
+        assert [(r.instance_id, r.task_key, r.workflow_type, r.change, r.attempt) for r in rows] == [
+            ("k/a", f"a/{task_id}", "orders", "insert", 3), ("k/a", f"a/{task_id}", "orders", "status", 3)]
+    finally:
+        c.close()
+
+
+# --- what only the write-ahead log does ---------------------------------------------------------------------
+
+@pytest.fixture
+def walcap(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Capture]:
+    c = _open(request, tmp_path, "wal-postgresql")
+    yield c
+    c.close()
+
+
+@pytest.mark.postgres
+def test_changes_are_captured_in_commit_order(walcap: Capture) -> None:
+    """A transaction that wrote first but commits last (the case the trigger's outbox ids get wrong) comes
+    last: the log is in commit order, and so are the outbox ids."""
+    ids = _new_instance(walcap, "m6", ["early", "late"])
+    t = walcap.tables.tasks
+    first_wrote = walcap.engine.connect()
+    try:
+        txn = first_wrote.begin()
+        first_wrote.execute(t.update().where(t.c.id == ids["early"]).values(status="queued"))
+        with walcap.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id == ids["late"]).values(status="queued"))
+        txn.commit()
+    finally:
+        first_wrote.close()
+    rows = [r for r in walcap.rows("m6") if r.change == "status"]
+    assert [r.task_key for r in rows] == ["late", "early"]
+    assert rows[0].created_at <= rows[1].created_at  # the commit times
+
+
+@pytest.mark.postgres
+def test_a_batch_streamed_again_after_a_crash_repeats_its_event_ids(walcap: Capture) -> None:
+    """Written but not confirmed (the process died between its commit and telling the server): the slot sends
+    the changes again; the outbox then holds each twice, with the same event id (consumers dedupe on it)."""
+    ids = _new_instance(walcap, "m7", ["a"])
+    t = walcap.tables.tasks
+    with walcap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
+    crashed = WalCapture(walcap.engine, walcap.tables, walcap.bus)
+    crashed._flush_and_confirm = lambda cur: crashed.flush()  # type: ignore[method-assign]
+    crashed._await_confirmation = lambda cur, deadline: None  # type: ignore[method-assign]
+    crashed.catch_up()
+    first = [(r.change, r.event_id) for r in walcap.rows("m7")]  # walcap's own streamer: streams them again
+    assert len(first) == 4
+    assert sorted(first[:2]) == sorted(first[2:])
+    assert walcap.streamer is not None and walcap.streamer.catch_up() == 0  # confirmed now: nothing again
+
+
+@pytest.mark.postgres
+def test_nothing_in_the_schedulers_schema_and_uninstall_removes_slot_and_publication(walcap: Capture) -> None:
+    with walcap.engine.connect() as conn:
+        assert installed_triggers(conn) == []
+        assert conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_proc WHERE proname LIKE 'pollbridge\\_capture%%'").scalar() == 0
+        ok, line = capture_state(conn, walcap.tables)
+        assert ok and "write-ahead-log capture of 'tasks'" in line
+        assert slot_state(conn).exists
+    install.uninstall(walcap.engine, walcap.mapping)
+    with walcap.engine.connect() as conn:
+        assert not slot_state(conn).exists
+        assert conn.exec_driver_sql("SELECT count(*) FROM pg_publication").scalar() == 0
+    install.init(walcap.engine, mapping=walcap.mapping, capture=CaptureSettings(mode="wal"))  # for the teardown
+
+
+@pytest.mark.postgres
+def test_a_dropped_slot_is_reported_and_a_streaming_one_cannot_be_removed(walcap: Capture) -> None:
+    with walcap.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        slot = wal.slot_name(conn)
+        conn.exec_driver_sql(f"SELECT pg_drop_replication_slot('{slot}')")
+        ok, line = capture_state(conn, walcap.tables)
+    assert not ok and f"replication slot {slot} missing; run `pollbridge init`" in line
+    install.init(walcap.engine, mapping=walcap.mapping, capture=CaptureSettings(mode="wal"))
+    stop = threading.Event()
+    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
+    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        from tests.support import wait_for
+
+        def active() -> bool:
+            with walcap.engine.connect() as c:
+                return slot_state(c).active
+
+        wait_for(active, 20.0, what="the slot to be streamed")
+        with pytest.raises(Exception, match="stop the relay first"):
+            install.uninstall(walcap.engine, walcap.mapping)
+    finally:
+        stop.set()
+        thread.join(10)
