@@ -156,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bus-url",
                         help="with --with-pollbridge: pollbridge's bus (redis://...; default: the shipped "
                              "configuration's, the embedded bus in Airflow's database)")
+    parser.add_argument("--capture-mode", choices=["trigger", "wal"], default=None,
+                        help="with --with-pollbridge: [capture] mode for pollbridge (default: the shipped "
+                             "configuration's, trigger; wal needs wal_level = logical)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     return parser
 
@@ -251,7 +254,8 @@ class Pollbridge:
     """The installed ``pollbridge`` console script with the shipped Airflow configuration, as the admin role on the
     rig's database (as tests/acceptance/test_beside_airflow.py runs it); its processes log into ``folder``."""
 
-    def __init__(self, database_url: str, folder: Path, bus_url: str | None = None) -> None:
+    def __init__(self, database_url: str, folder: Path, bus_url: str | None = None,
+                 capture_mode: str | None = None) -> None:
         exe = shutil.which("pollbridge")
         if exe is None:
             raise BenchError("the `pollbridge` console script is not on PATH: `pip install -e .` first")
@@ -260,6 +264,8 @@ class Pollbridge:
         # Nothing of the caller's pollbridge settings leaks in (the embedded bus, as the test runs it).
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")}
         self.env.update(POLLBRIDGE_CONFIG=str(CONFIG), POLLBRIDGE_DATABASE_URL=database_url)
+        if capture_mode:
+            self.env["POLLBRIDGE_CAPTURE_MODE"] = capture_mode
         self.bus_url = bus_url
         self.namespace: str | None = None
         if bus_url and bus_url != "embedded":
@@ -484,13 +490,14 @@ def _settle(rig: AirflowRig, pb: Pollbridge, budget: Budget) -> float:
     return time.monotonic() - began
 
 
-def run_beside(admin_url: str, waves: int, burst: int, deadline: float, bus_url: str | None = None) -> dict[str, Any]:
+def run_beside(admin_url: str, waves: int, burst: int, deadline: float, bus_url: str | None = None,
+               capture_mode: str | None = None) -> dict[str, Any]:
     """Start Airflow and pollbridge beside it in dual_write, run the paced waves and the burst, read the figures;
     stop everything it started (pollbridge's processes first, then the rig: its processes, database and role)."""
     budget = Budget(deadline)
     wall: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="pb-bench-airflow-") as folder, AirflowRig(admin_url) as rig:
-        pb = Pollbridge(rig.superuser_url, Path(folder), bus_url)
+        pb = Pollbridge(rig.superuser_url, Path(folder), bus_url, capture_mode)
         try:
             rig.wait_serialized(SHAPE_DAGS, deadline=budget.left(90))
             mark = time.monotonic()
@@ -532,7 +539,8 @@ def _fmt(value: object, unit: str = "") -> str:
 
 
 def print_beside(result: dict[str, Any]) -> None:
-    print(f"pollbridge beside Apache Airflow (dual_write: shadow decisions; bus: {result['bus']}), dispatched tasks "
+    print(f"pollbridge beside Apache Airflow (dual_write: shadow decisions; bus: {result['bus']}; capture: "
+          f"{result.get('capture_mode', 'trigger')}), dispatched tasks "
           "with an upstream; latency from the latest upstream end_date, ms:")
     header = (f"  {'regime':<6} {'runs':>4} {'tasks':>5} {'decided':>7} {'dispatches':>10}  "
               f"{'Airflow p50/p99':>15}  {'pollbridge p50/p99':>18}  {'ahead p50/p99':>13}  {'first':>6}")
@@ -578,13 +586,14 @@ def with_pollbridge(args: argparse.Namespace) -> int:
     started = datetime.now(UTC)
     before = [round(x, 2) for x in os.getloadavg()]
     try:
-        result = run_beside(args.admin_url, waves, burst, args.deadline, args.bus_url)
+        result = run_beside(args.admin_url, waves, burst, args.deadline, args.bus_url, args.capture_mode)
     except (BenchError, AirflowError) as exc:
         print(f"bench.airflow_latency --with-pollbridge: {exc}", file=sys.stderr)
         return 1
     result["load_average"] = {"before": before, "after": [round(x, 2) for x in os.getloadavg()]}
     result.update(started=started.isoformat(timespec="seconds"), paced_waves=waves, burst_run_ids=burst,
                   bus=args.bus_url or "embedded (the shipped configuration's default)",
+                  capture_mode=args.capture_mode or "trigger (the shipped configuration's default)",
                   dags=list(SHAPE_DAGS), machine=machine())
     print_beside(result)
     write_json(args.json, result)

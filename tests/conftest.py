@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,7 +72,26 @@ def _create_db(name: str, template: str | None = None) -> None:
 
 def _drop_db(name: str) -> None:
     with _admin() as conn:
+        # A replication slot (WAL capture) keeps its database from being dropped: a test that failed before its
+        # uninstall leaves one; WITH (FORCE) has ended the sessions that could be reading it.
+        _drop_slots(conn, name)
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def _drop_slots(conn: psycopg.Connection[tuple[object, ...]], database: str) -> int:
+    """Drop the replication slots of ``database`` (terminating a session still reading one); how many."""
+    conn.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                 "WHERE database = %s AND active_pid IS NOT NULL", (database,))
+    slots = [r[0] for r in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s",
+                                        (database,)).fetchall()]
+    for slot in slots:
+        for _ in range(50):  # a terminated walsender releases its slot a moment later
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                break
+            except psycopg.errors.ObjectInUse:
+                time.sleep(0.1)
+    return len(slots)
 
 
 @pytest.fixture(scope="session")

@@ -387,6 +387,11 @@ class AirflowRig:
             return
         with self._admin() as conn:
             if self._created_database:
+                # pollbridge's WAL capture leaves a replication slot in the database, which keeps it from being
+                # dropped (its readers are stopped by now).
+                for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s "
+                                            "AND NOT active", (self.database,)).fetchall():
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
                 conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.database)))
                 self._created_database = False
             if self._created_role:

@@ -1,0 +1,239 @@
+"""Write-ahead-log capture against trigger capture: the scheduler's write path, and what the relay costs per change.
+
+    python -m bench.wal_capture [--rounds 3] [--seconds 10] [--rows 100000] [--json F] [--quick]
+
+Needs ``wal_level = logical`` (``.ci/run`` sets it). One scratch database with the reference schema and
+``--rows`` tasks; Redis for the relay's bus (a namespace of its own, deleted at the end).
+
+1. **Write path.** pgbench runs random single-row status UPDATEs (each one changes the status, so each is a
+   captured change) for ``--seconds`` with 1 and 8 clients, in each configuration, the configurations in an
+   order that alternates from round to round (forward, then backward), so drift and other load fall on all:
+
+   * ``baseline``: no capture at all;
+   * ``trigger``: the capture triggers (wake = poll), no relay: the trigger's own cost;
+   * ``wal``: the publication and the slot, nothing reading: what logical decoding adds to the writes;
+   * ``trigger + relay``: the triggers and ``pollbridge relay run`` (wake = adaptive) draining to Redis;
+   * ``wal + relay``: ``pollbridge relay run`` with ``[capture] mode = "wal"`` streaming the slot to Redis.
+
+   Before every run: the outbox emptied, ``VACUUM ANALYZE``, ``CHECKPOINT``. Reported per configuration and
+   client count: tps of every round, the median, and the change of the median against the baseline's.
+2. **Cost per change.** For each relay mode, a writer updates one task's status at 2, 20 and 200 changes/s
+   for ``--rate-seconds``; the scratch database's ``pg_stat_database`` transactions over the window, minus the
+   writer's own (one per change), divided by the changes: what capture and the relay cost the database per
+   change (the idle transactions of the window included: at 2 changes/s they are most of it). First, the
+   transactions per second with nothing written (idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from bench.capture import _libpq, _maintenance, _scalar, run_pgbench, seed
+from bench.common import REDIS_URL, delete_namespace, machine, scratch_database, write_json
+from bridge.app import install
+from bridge.capture import wal
+from bridge.capture.triggers import remove_capture
+from bridge.core.mapping import TaskTableMapping
+from bridge.core.settings import CaptureSettings
+from bridge.db.engine import create_engine
+
+CONFIGS = ("baseline", "trigger", "wal", "trigger + relay", "wal + relay")
+#: Seconds for the statistics to settle around a measuring window (see cost_per_change).
+SETTLE = 8.0
+
+
+def _set_capture(url: str, config: str) -> None:
+    engine = create_engine(url)
+    try:
+        if config == "baseline":
+            with engine.begin() as conn:
+                remove_capture(conn)
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                wal.remove_wal(conn)
+        elif config.startswith("wal"):
+            install.init(engine, mapping=TaskTableMapping(), capture=CaptureSettings(mode="wal"))
+        else:
+            install.init(engine, mapping=TaskTableMapping(),
+                         capture=CaptureSettings(wake="adaptive" if "relay" in config else "poll"))
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE pollbridge_relay_state SET armed = false, holder = NULL"))
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def _relay(url: str, mode: str, namespace: str) -> Iterator[None]:
+    """``pollbridge relay run`` in ``mode``; yields once it leads (and, for wal, streams the slot)."""
+    workdir = tempfile.mkdtemp(prefix="pbbench-wal-")
+    Path(workdir, "pollbridge.toml").write_text(
+        f'[bus]\nnamespace = "{namespace}"\n[capture]\nmode = "{mode}"\nwake = "adaptive"\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
+           "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
+    exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")
+    log = Path(workdir, "relay.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([exe, "relay", "run"], cwd=workdir, env=env, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            leads = _scalar(url, "SELECT holder FROM pollbridge_relay_state WHERE relay_partition = 0") is not None
+            streams = mode != "wal" or bool(_scalar(url, "SELECT bool_or(active) FROM pg_replication_slots "
+                                                         "WHERE database = current_database()"))
+            if leads and streams:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"relay ({mode}) not up:\n{log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drained(url: str, mode: str, timeout: float = 120.0) -> None:
+    """Until the relay caught up: no unpublished outbox row, and for wal the slot confirmed up to now."""
+    target = _scalar(url, "SELECT pg_current_wal_lsn()::text")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if mode == "wal":
+            if _scalar(url, f"SELECT bool_and(confirmed_flush_lsn >= '{target}'::pg_lsn) FROM pg_replication_slots "
+                            "WHERE database = current_database()"):
+                return
+        elif int(_scalar(url, "SELECT count(*) FROM pollbridge_outbox WHERE published_at IS NULL")) == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the {mode} relay did not catch up within {timeout:g} s")
+
+
+def _xacts(url: str) -> int:
+    return int(_scalar(url, "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                            "WHERE datname = current_database()"))
+
+
+def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str) -> dict[str, Any]:
+    tps: dict[str, dict[int, list[float]]] = {c: {1: [], 8: []} for c in CONFIGS}
+    for round_no in range(rounds):
+        order = CONFIGS if round_no % 2 == 0 else tuple(reversed(CONFIGS))
+        for config in order:
+            _set_capture(url, config)
+            mode = "wal" if config.startswith("wal") else "trigger"
+            for clients in (1, 8):
+                _maintenance(url, truncate_outbox=True)
+                relay = _relay(url, mode, namespace) if "relay" in config else contextlib.nullcontext()
+                with relay:
+                    result = run_pgbench(url, script, clients, seconds)
+                    if "relay" in config:
+                        _drained(url, mode)
+                tps[config][clients].append(result["tps"])
+                print(f"round {round_no + 1} {config:16s} {clients} client(s): {result['tps']:9.1f} tps", flush=True)
+    out: dict[str, Any] = {}
+    for config in CONFIGS:
+        out[config] = {}
+        for clients in (1, 8):
+            median = statistics.median(tps[config][clients])
+            base = statistics.median(tps["baseline"][clients])
+            out[config][str(clients)] = {"tps": tps[config][clients], "median": round(median, 1),
+                                         "change_pct": round(100.0 * (median - base) / base, 1)}
+    return out
+
+
+def cost_per_change(url: str, rates: list[float], rate_seconds: float, idle_seconds: float,
+                    namespace: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    task = int(_scalar(url, "SELECT min(id) FROM tasks"))
+    for mode in ("trigger", "wal"):
+        _set_capture(url, "wal + relay" if mode == "wal" else "trigger + relay")
+        out[mode] = {}
+        with _relay(url, mode, namespace), psycopg.connect(_libpq(url), autocommit=True) as writer:
+            # A backend reports its transactions to the statistics when it next goes idle, not at once: the
+            # relay's start-up must be reported before the first window opens (measured: a 1 s settle
+            # counted about 9 start-up transactions a second into a 10 s idle window; 8 s, none).
+            time.sleep(SETTLE)
+            before = _xacts(url)
+            time.sleep(idle_seconds)
+            out[mode]["idle_per_s"] = round((_xacts(url) - before - 1) / idle_seconds, 2)
+            for rate in rates:
+                changes = int(rate * rate_seconds)
+                before = _xacts(url)
+                started = time.monotonic()
+                for n in range(changes):
+                    status = "queued" if n % 2 == 0 else "pending"
+                    writer.execute("UPDATE tasks SET status = %s WHERE id = %s", (status, task))
+                    wait = started + (n + 1) / rate - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                # No look at the relay's progress inside the window (each would be a transaction of its own):
+                # it keeps up at these rates; checked after the window is read.
+                time.sleep(SETTLE)
+                spent = _xacts(url) - before - changes - 1
+                _drained(url, mode)
+                out[mode][f"{rate:g}/s"] = round(spent / changes, 2)
+                print(f"{mode:8s} at {rate:g} changes/s: {spent / changes:.2f} transactions per change", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.wal_capture", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--rates", default="2,20,200", help="changes per second for the cost per change")
+    parser.add_argument("--rate-seconds", type=float, default=10.0)
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 s, 10k rows, short rate runs (CI smoke)")
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds, args.rows, args.rate_seconds, args.idle_seconds = 1, 3, 10_000, 3.0, 3.0
+    namespace = f"pb_bench_wal_{os.getpid()}"
+    with scratch_database("pollbridge_bench_wal") as url:
+        engine = create_engine(url)
+        try:
+            with engine.connect() as conn:
+                problems = wal.settings_problems(conn)
+        finally:
+            engine.dispose()
+        if problems:
+            print(f"bench.wal_capture: {problems[0]}", file=sys.stderr)
+            return 1
+        lo, hi = seed(url, args.rows)
+        script = Path(tempfile.mkdtemp(prefix="pbbench-wal-")) / "update.sql"
+        script.write_text(f"\\set id random({lo}, {hi})\n"
+                          "UPDATE tasks SET status = CASE status WHEN 'pending' THEN 'queued' ELSE 'pending' END "
+                          "WHERE id = :id;\n")
+        try:
+            results = {"write_path": write_path(url, str(script), args.rounds, args.seconds, namespace),
+                       "cost_per_change": cost_per_change(url, [float(r) for r in args.rates.split(",")],
+                                                          args.rate_seconds, args.idle_seconds, namespace)}
+        finally:
+            _set_capture(url, "baseline")  # the slot goes before the database does
+            delete_namespace(namespace)
+    print(json.dumps(results, indent=2))
+    write_json(args.json_path, {"bench": "wal_capture", "machine": machine(), "args": vars(args), **results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
