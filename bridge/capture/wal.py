@@ -274,6 +274,9 @@ class WalCapture:
         self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
         self.confirmed_lsn = 0
         self.captured = 0
+        #: Times the slot was found gone and recreated, and the tasks re-derived then (:meth:`recover_slot`).
+        self.gaps = 0
+        self.rederived = 0
         with engine.connect() as conn:
             self.slot = slot_name(conn)
         cols = tables.mapping.columns
@@ -425,11 +428,66 @@ class WalCapture:
                 self._stream(stop)
                 backoff.reset()
             except Exception as exc:  # a lost connection, a server restart, a busy slot: try again
-                delay = backoff.next()
-                log.warning("write-ahead-log capture stopped (%s); reconnecting in %.1f s", first_line(exc), delay)
                 self.pending = _Pending(end_lsn=self.confirmed_lsn)
                 self._txn = None
+                if _slot_gone(exc):
+                    try:
+                        self.recover_slot()
+                        continue
+                    except Exception as again:  # the database is away too: the next round tries again
+                        exc = again
+                delay = backoff.next()
+                log.warning("write-ahead-log capture stopped (%s); reconnecting in %.1f s", first_line(exc), delay)
                 stop.wait(delay)
+
+    def recover_slot(self) -> int:
+        """The slot was dropped or invalidated (the WAL it needed was removed): what changed in between is not
+        in any log any more. Recreate the slot first (changes from now on are streamed), then re-derive the
+        state of every unfinished task from the table, as after a bus loss: each becomes a status change with
+        no old status, published, so the scheduler evaluates its instance again. The gap is counted
+        (:attr:`gaps`) and logged. Returns how many tasks were re-derived."""
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            state = slot_state(conn)
+            if state.exists and not state.active:  # invalidated: drop it to make it again
+                conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{self.slot}')")
+        ensure_slot(self.engine)
+        self.confirmed_lsn = 0
+        self._seen.clear()
+        tt = self.tables
+        cols = tt.mapping.columns
+        columns = [tt.col(logical) for logical in ("id", "status")]
+        parts = {logical: [tt.tasks.c[c] for c in cols.parts(logical)] for logical in ("instance_id", "task_key")}
+        q = sa.select(*columns, *parts["instance_id"], *parts["task_key"],
+                      *([tt.col("workflow_type")] if cols.workflow_type else []),
+                      *([tt.col("attempts")] if cols.attempts else [])) \
+            .where(sa.not_(tt.status_in("completed", "failed", *(["skipped"] if tt.statuses.of("skipped") else []))))
+        rows: list[dict[str, Any]] = []
+        now = None
+        with self.engine.connect() as conn:
+            now = conn.exec_driver_sql("SELECT clock_timestamp()").scalar_one()
+            for r in conn.execute(q):
+                values = list(r)
+                task_id, status = values[0], values[1]
+                n_instance, n_key = len(parts["instance_id"]), len(parts["task_key"])
+                instance = "/".join(_text(None if v is None else str(v)) for v in values[2:2 + n_instance])
+                at = 2 + n_instance
+                key = "/".join(_text(None if v is None else str(v)) for v in values[at:at + n_key])
+                at += n_key
+                workflow_type = str(values[at]) if cols.workflow_type and values[at] is not None else None
+                attempt = values[-1] if cols.attempts else None
+                rows.append({"event_id": str(uuid.uuid4()), "task_id": str(task_id), "instance_id": instance,
+                             "task_key": key, "workflow_type": workflow_type, "change": "status",
+                             "old_status": None, "new_status": None if status is None else str(status),
+                             "attempt": attempt if isinstance(attempt, int) else None,
+                             "trace_id": uuid.uuid4().hex, "created_at": now})
+        self.pending = _Pending(rows=rows, end_lsn=0)
+        self.flush()
+        self.gaps += 1
+        self.rederived += len(rows)
+        log.warning("replication slot %s was gone (dropped, or invalidated when the WAL it needed was removed): "
+                    "recreated; changes between its loss and now were not streamed, so the state of %d unfinished "
+                    "task(s) was re-derived from the table and published", self.slot, len(rows))
+        return len(rows)
 
     def _stream(self, stop: threading.Event) -> None:
         import psycopg2
@@ -515,6 +573,13 @@ class WalCapture:
         self.flush()
         if self.confirmed_lsn:
             cur.send_feedback(flush_lsn=self.confirmed_lsn)
+
+
+def _slot_gone(exc: BaseException) -> bool:
+    """Whether streaming failed because the slot does not exist or was invalidated (not a passing outage)."""
+    text = str(exc)
+    return ("replication slot" in text and "does not exist" in text) or "has been invalidated" in text \
+        or "can no longer get changes from replication slot" in text
 
 
 def _text(value: Value) -> str:

@@ -276,3 +276,47 @@ def test_a_dropped_slot_is_reported_and_a_streaming_one_cannot_be_removed(walcap
     finally:
         stop.set()
         thread.join(10)
+
+
+@pytest.mark.postgres
+def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Capture) -> None:
+    """The slot dropped by hand while the capture streams (as an invalidated one would be lost): the change made
+    while it was gone is in no log, so the capture recreates the slot and publishes the current state of every
+    unfinished task; the finished one is left alone. The gap is counted."""
+    ids = _new_instance(walcap, "m8", ["open", "done"])
+    t = walcap.tables.tasks
+    with walcap.engine.begin() as conn:
+        conn.execute(t.update().where(t.c.id == ids["done"]).values(status="completed"))
+    walcap.rows()  # streamed and confirmed so far
+    stop = threading.Event()
+    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
+    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
+    thread.start()
+    from tests.support import wait_for
+
+    def active() -> bool:
+        with walcap.engine.connect() as c:
+            return slot_state(c).active
+
+    try:
+        wait_for(active, 20.0, what="the slot to be streamed")
+        with walcap.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            slot = wal.slot_name(conn)
+            conn.exec_driver_sql("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                                 f"WHERE slot_name = '{slot}'")
+            wait_for(lambda: not conn.exec_driver_sql("SELECT active FROM pg_replication_slots "
+                                                      f"WHERE slot_name = '{slot}'").scalar(), 10.0,
+                     what="the walsender to let the slot go")
+            conn.exec_driver_sql(f"SELECT pg_drop_replication_slot('{slot}')")
+            conn.execute(t.update().where(t.c.id == ids["open"]).values(status="queued"))  # in no log now
+        wait_for(lambda: streaming.gaps == 1, 30.0, what="the lost slot to be recreated")
+    finally:
+        stop.set()
+        thread.join(10)
+    with walcap.engine.connect() as conn:
+        assert slot_state(conn).exists
+        rederived = conn.execute(sa.select(outbox.c.task_key, outbox.c.change, outbox.c.old_status,
+                                           outbox.c.new_status, outbox.c.published_at.is_not(None))
+                                 .where(outbox.c.instance_id == "m8", outbox.c.new_status == "queued")).all()
+    assert [tuple(r) for r in rederived] == [("open", "status", None, "queued", True)]
+    assert streaming.rederived >= 1
