@@ -205,6 +205,14 @@ def _print_status(s: Any, foreign: bool = False) -> None:
     console.print(table)
     click.echo(f"outbox: {s.outbox_backlog} unpublished, oldest {s.outbox_oldest_age_seconds:.1f} s old; "
                f"{s.outbox_dead_letters} dead-lettered by the relay")
+    if s.slot is not None:
+        slot = s.slot
+        if not slot.exists or slot.wal_status == "lost":
+            click.echo("capture: write-ahead log; the replication slot is GONE (dropped or invalidated): the relay "
+                       "recreates it and re-derives the unfinished tasks; `pollbridge doctor` says more")
+        else:
+            click.echo(f"capture: write-ahead log, slot {'streaming' if slot.active else 'NOT being read'}; "
+                       f"{_size(slot.retained_bytes)} of WAL retained, {_size(slot.lag_bytes)} not yet confirmed")
     b = s.bus
     if b.state == "ok":
         parts = ", ".join(f"p{p}={n}" for p, n in sorted((b.lag_partitions or {}).items()))
@@ -297,3 +305,13 @@ def _traced(event: Any) -> str:
 
 def _ms(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}"
+
+
+def _size(n: int | None) -> str:
+    """Bytes as a person reads them (``1.2 MB``)."""
+    value = float(n or 0)
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"

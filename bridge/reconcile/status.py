@@ -39,6 +39,7 @@ from sqlalchemy.engine import Engine
 
 from bridge.bus.base import EventBus
 from bridge.capture.outbox import read_backlog
+from bridge.capture.wal import SlotState, publication_exists, slot_state
 from bridge.core.errors import FlagStoreUnavailable, first_line
 from bridge.core.phases import PHASES
 from bridge.core.settings import SchedulerSettings
@@ -122,6 +123,8 @@ class Status:
     flag_store_up: bool
     flag_store_detail: str
     totals: dict[str, int] = field(default_factory=dict)  # dispatches by path, decisions, over every type
+    #: The replication slot of write-ahead-log capture (None: capture is by trigger)
+    slot: SlotState | None = None
 
     def type(self, name: str) -> TypeStatus | None:
         return next((t for t in self.types if t.workflow_type == name), None)
@@ -140,6 +143,11 @@ class Status:
             "guardian": {"demotions": sum(t.guardian_demotions for t in self.types),
                          "recent": [d.to_json() for d in self.guardian_recent]},
             "flag_store": {"up": self.flag_store_up, "detail": self.flag_store_detail},
+            "capture": {"mode": "trigger"} if self.slot is None else {
+                "mode": "wal", "slot": {"exists": self.slot.exists, "active": self.slot.active,
+                                        "wal_status": self.slot.wal_status,
+                                        "retained_bytes": self.slot.retained_bytes,
+                                        "lag_bytes": self.slot.lag_bytes}},
         }
 
 
@@ -171,6 +179,7 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
         decided = conn.execute(sa.select(dc.workflow_type, sa.func.count())
                                .where(dc.decided_at >= since).group_by(dc.workflow_type)).all()
         outbox_now = read_backlog(conn)
+        slot = slot_state(conn) if publication_exists(conn) else None
         dead_outbox = conn.execute(sa.select(sa.func.count()).select_from(outbox_dead)).scalar_one()
         demotion_counts = conn.execute(sa.select(fa.workflow_type, sa.func.count())
                                        .where(fa.actor == GUARDIAN_ACTOR).group_by(fa.workflow_type)).all()
@@ -210,7 +219,7 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
         bus=bus_status(bus, bus_label, group, bus_error),
         guardian_recent=tuple(GuardianDemotion(str(r.workflow_type), as_utc(r.changed_at), r.old_phase, r.new_phase,
                                                r.reason) for r in recent),
-        flag_store_up=flags_up, flag_store_detail=flags_detail, totals=totals)
+        flag_store_up=flags_up, flag_store_detail=flags_detail, totals=totals, slot=slot)
 
 
 def bus_status(bus: EventBus | None, label: str, group: str, bus_error: str | None = None) -> BusStatus:
@@ -302,6 +311,15 @@ def status_metrics(s: Status) -> Iterator[GaugeMetricFamily]:
                  "0 without a backlog)", s.outbox_oldest_age_seconds)
     yield _gauge("pollbridge_outbox_dead_letters", "Outbox rows the relay could not turn into events",
                  s.outbox_dead_letters)
+    if s.slot is not None:
+        yield _gauge("pollbridge_wal_slot_active", "1 while a relay streams the write-ahead-log capture's slot",
+                     1 if s.slot.active else 0)
+        yield _gauge("pollbridge_wal_slot_lost", "1 when the slot is missing or invalidated (its WAL was removed)",
+                     0 if s.slot.exists and s.slot.wal_status != "lost" else 1)
+        yield _gauge("pollbridge_wal_slot_retained_bytes", "WAL the capture's slot keeps on the database's disk",
+                     s.slot.retained_bytes or 0)
+        yield _gauge("pollbridge_wal_slot_lag_bytes", "WAL written since the capture last confirmed",
+                     s.slot.lag_bytes or 0)
     b = s.bus
     yield _gauge("pollbridge_bus_up", "1 when the bus answered the last status gathering", 1 if b.state == "ok" else 0)
     lag = GaugeMetricFamily("pollbridge_bus_lag", "Bus entries not yet delivered to the scheduler's group, per "

@@ -30,6 +30,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
+from bridge.reconcile.status import gather_status
 from bridge.tasktable.tables import reflect_tables
 
 MODES = ["trigger-sqlite", pytest.param("trigger-postgresql", marks=pytest.mark.postgres),
@@ -120,6 +121,10 @@ def test_insert_and_status_change_are_captured_with_their_facts(cap: Capture) ->
         assert (r.published_at is None) == (cap.mode == "trigger")
     assert rows[0].event_id != rows[1].event_id
     assert rows[0].id < rows[1].id
+
+
+def test_status_says_which_capture(cap: Capture) -> None:
+    assert gather_status(cap.engine).to_json()["capture"]["mode"] == cap.mode
 
 
 def test_no_op_and_unwatched_updates_capture_nothing(cap: Capture) -> None:
@@ -244,6 +249,9 @@ def test_nothing_in_the_schedulers_schema_and_uninstall_removes_slot_and_publica
         ok, line = capture_state(conn, walcap.tables)
         assert ok and "write-ahead-log capture of 'tasks'" in line
         assert slot_state(conn).exists
+    status = gather_status(walcap.engine).to_json()["capture"]
+    assert status["mode"] == "wal" and status["slot"]["exists"] and not status["slot"]["active"]
+    assert status["slot"]["retained_bytes"] >= 0
     install.uninstall(walcap.engine, walcap.mapping)
     with walcap.engine.connect() as conn:
         assert not slot_state(conn).exists
