@@ -24,7 +24,7 @@ from bridge.db import migrate
 from bridge.db.engine import check_connection, read_only
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable import usersql
-from bridge.tasktable.tables import reflect_tables
+from bridge.tasktable.tables import TaskTable, reflect_tables
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ def init(
     demo_schema: bool = False,
     mapping: TaskTableMapping | None = None,
     capture: CaptureSettings | None = None,
+    bus: EventBus | None = None,
 ) -> InitResult:
     """Apply the migrations; with a ``mapping``, also (re)install the capture triggers on its task table.
 
@@ -82,27 +83,62 @@ def init(
     assert after is not None
     if tables is not None:
         capture = capture or CaptureSettings()
-        if capture.mode == "wal":
-            # The publication replaces the triggers in one transaction; the slot is made after it (PostgreSQL
-            # creates a logical slot only outside a transaction that wrote), and streams from then on.
-            with engine.begin() as conn:
-                remove_capture(conn)
-                wal.install_publication(conn, tables)
-            wal.ensure_slot(engine)
-        else:
-            with engine.begin() as conn:
-                install_capture(conn, tables, wake=capture.wake,  # type: ignore[arg-type]
-                                relay_partitions=capture.relay_partitions)
-            _remove_wal(engine)
+        switch_capture(engine, tables, capture, bus=bus)
     return InitResult(before, after, tuple(created), tables is not None)
 
 
-def _remove_wal(engine: Engine) -> list[str]:
+def switch_capture(engine: Engine, tables: TaskTable, capture: CaptureSettings, *, bus: EventBus | None = None,
+                   timeout: float = 120.0) -> None:
+    """Install the capture of ``capture.mode``, replacing the other one without losing or doubling a change.
+
+    To the write-ahead log: the publication, then the slot (PostgreSQL creates a logical slot only outside a
+    transaction that wrote; it streams from then on), then one transaction, holding the task table against
+    writes for its duration, drops the triggers and marks the switch
+    (:func:`bridge.capture.wal.mark_switch`): the triggers captured what committed before the mark, the log
+    carries what commits after it. Back to the triggers: one transaction creates them and marks the end of
+    the log's share; once the slot is confirmed past the mark (by the running relay, else streamed here with
+    ``bus``), the slot and the publication are dropped."""
+    pg = engine.dialect.name == "postgresql"
+    if capture.mode == "wal":
+        # The publication before the slot: pgoutput reads it with the catalog as of each change it decodes, and
+        # a change from before the publication existed fails the stream ("publication does not exist").
+        with engine.begin() as conn:
+            wal.install_publication(conn, tables)
+        wal.ensure_slot(engine)
+        with engine.begin() as conn:
+            wal.lock_task_table(conn, tables)
+            remove_capture(conn)
+            wal.mark_switch(conn, "wal")
+        return
+    with engine.begin() as conn:
+        streaming = pg and wal.publication_exists(conn)
+        if streaming:
+            wal.lock_task_table(conn, tables)
+        install_capture(conn, tables, wake=capture.wake,  # type: ignore[arg-type]
+                        relay_partitions=capture.relay_partitions)
+        stop = wal.mark_switch(conn, "trigger") if streaming else None
+    if stop is not None:
+        wal.wait_confirmed(engine, stop, timeout, tables, bus)
+    _remove_wal(engine, end_stream=True)
+
+
+def wal_installed(engine: Engine) -> bool:
+    """Whether the write-ahead-log capture's publication is in the database (PostgreSQL)."""
+    if engine.dialect.name != "postgresql":
+        return False
+    with read_only(engine).connect() as conn:
+        try:
+            return wal.publication_exists(conn)
+        finally:
+            conn.rollback()
+
+
+def _remove_wal(engine: Engine, *, end_stream: bool = False) -> list[str]:
     """Drop the WAL capture's slot and publication, if any (outside a transaction, as the slot needs)."""
     if engine.dialect.name != "postgresql":
         return []
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        return wal.remove_wal(conn)
+        return wal.remove_wal(conn, end_stream=end_stream)
 
 
 def uninstall(engine: Engine, mapping: TaskTableMapping | None = None) -> list[str]:

@@ -39,7 +39,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,13 +49,25 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.base import EventBus
 from bridge.capture.evidence import record_foreign_dispatches
-from bridge.capture.pgoutput import UNCHANGED, Begin, Change, Commit, DecodeError, Relation, Value, decode, lsn_text
+from bridge.capture.pgoutput import (
+    UNCHANGED,
+    Begin,
+    Change,
+    Commit,
+    DecodeError,
+    Relation,
+    Skipped,
+    Value,
+    decode,
+    lsn_text,
+)
 from bridge.capture.queries import event_payload_sql
 from bridge.capture.triggers import WATCHED, capture_status, capture_target
 from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
 from bridge.core.mapping import TaskTableMapping
+from bridge.db.schema import capture_state as capture_state_table
 from bridge.db.schema import outbox
 from bridge.tasktable.tables import TaskTable
 
@@ -78,6 +90,8 @@ SEEN_CACHE = 200_000
 BATCH_ROWS = 5_000
 #: Seconds between standby status updates while the stream is idle (the server's wal_sender_timeout is 60 s).
 FEEDBACK_INTERVAL = 10.0
+#: pgoutput's options: protocol 1, the publication, and logical decoding messages (a switch's marker).
+STREAM_OPTIONS = {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"}
 _EVENT_NAMESPACE = uuid.UUID("6f1c2a8e-3b51-4d0e-9a57-1f2b9c7d4e10")
 #: Mapped columns the capture reads (as the trigger does).
 _CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
@@ -160,23 +174,91 @@ def ensure_slot(engine: Engine) -> bool:
         return True
 
 
-def remove_wal(conn: Connection) -> list[str]:
-    """Drop the slot and the publication if they exist (PostgreSQL; nothing elsewhere). A slot a relay is
-    streaming cannot be dropped: :class:`MappingMismatch` says to stop the relay first."""
+def lock_task_table(conn: Connection, tt: TaskTable) -> None:
+    """Hold the task table against writes until the caller's transaction ends (a switch's transaction: no
+    write commits while the capture changes hands, so the mark separates the two exactly)."""
+    conn.exec_driver_sql(f"LOCK TABLE {_qualified(conn, tt)} IN SHARE ROW EXCLUSIVE MODE")
+
+
+def mark_switch(conn: Connection, mode: str) -> int:
+    """Inside the transaction that installs or drops the triggers: a logical decoding message (its LSN
+    separates the changes the triggers captured from those the log carries; the WAL capture also sees it in
+    the stream, in commit order) and the new ``pollbridge_capture_state``. ``wal``: the log's share starts
+    here; ``trigger``: it ends here. Returns the LSN."""
+    lsn = int(conn.exec_driver_sql(
+        "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_logical_emit_message(true, 'pollbridge', "
+        f"'capture: {mode}'), '0/0')").scalar_one())
+    values: dict[str, Any] = {"mode": mode, "changed_at": sa.func.now()}
+    if mode == "wal":
+        values.update(wal_start_lsn=lsn, wal_stop_lsn=None)
+    else:
+        values.update(wal_stop_lsn=lsn)
+    table = capture_state_table
+    if conn.execute(table.update().where(table.c.id == 1).values(values)).rowcount == 0:
+        conn.execute(table.insert().values(id=1, **values))
+    return lsn
+
+
+def bounds(conn: Connection) -> tuple[int, int | None]:
+    """``(start, stop)``: the WAL capture's share is the transactions committed after ``start`` and before
+    ``stop`` (None: no end)."""
+    table = capture_state_table
+    row = conn.execute(sa.select(table.c.wal_start_lsn, table.c.wal_stop_lsn).where(table.c.id == 1)).first()
+    if row is None:
+        return 0, None
+    return int(row[0] or 0), None if row[1] is None else int(row[1])
+
+
+def wait_confirmed(engine: Engine, lsn: int, timeout: float, tables: TaskTable, bus: EventBus | None) -> None:
+    """Until the slot is confirmed past ``lsn``: by the running relay if one streams it, else streamed here
+    (with ``bus``). :class:`TimeoutError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with engine.connect() as conn:
+            slot = slot_name(conn)
+            row = conn.exec_driver_sql(
+                "SELECT active, pg_catalog.pg_wal_lsn_diff(confirmed_flush_lsn, '0/0') "
+                f"FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'").first()
+        if row is None or (row[1] is not None and int(row[1]) >= lsn):
+            return
+        if not row[0] and bus is not None:
+            WalCapture(engine, tables, bus).catch_up(max(1.0, deadline - time.monotonic()))
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the write-ahead-log capture did not confirm {lsn_text(lsn)} within {timeout:g} s: "
+                               "is the relay of partition 0 running?")
+        time.sleep(0.1)
+
+
+def remove_wal(conn: Connection, *, end_stream: bool = False) -> list[str]:
+    """Drop the publication and the slot if they exist (PostgreSQL, on an autocommit connection; nothing
+    elsewhere). A slot a relay is streaming cannot be dropped: :class:`MappingMismatch` says to stop the relay
+    first, unless ``end_stream`` (a switch back to the triggers, its share confirmed): the publication goes
+    first, so the relay's capture, its stream ended, finds it gone and stops (it does not recreate the slot)."""
     if conn.dialect.name != "postgresql":
         return []
     dropped = []
     slot = slot_name(conn)
     active = conn.exec_driver_sql("SELECT active FROM pg_catalog.pg_replication_slots "
                                   f"WHERE slot_name = '{slot}'").first()
-    if active is not None:
-        if active[0]:
-            raise MappingMismatch(f"replication slot {slot} is being read (a relay is running): stop the relay first")
-        conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{slot}')")
-        dropped.append(slot)
+    if active is not None and active[0] and not end_stream:
+        raise MappingMismatch(f"replication slot {slot} is being read (a relay is running): stop the relay first")
     if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{PUBLICATION}'").first():
         conn.exec_driver_sql(f"DROP PUBLICATION {PUBLICATION}")
         dropped.append(PUBLICATION)
+    if active is not None:
+        deadline = time.monotonic() + 30.0
+        while True:
+            conn.exec_driver_sql("SELECT pg_catalog.pg_terminate_backend(active_pid) FROM "
+                                 f"pg_catalog.pg_replication_slots WHERE slot_name = '{slot}' AND active")
+            try:
+                conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{slot}')")
+                break
+            except sa.exc.DBAPIError:  # still held while the terminated walsender exits
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        dropped.append(slot)
     return dropped
 
 
@@ -238,8 +320,11 @@ def capture_state(conn: Connection, tt: TaskTable, mode: str | None = None, *, w
                   relay_partitions: int | None = None) -> tuple[bool, str]:
     """Whether capture in ``mode`` (``None``: the mode installed, found from the database) is installed and
     current: :func:`wal_status` or :func:`bridge.capture.triggers.capture_status`."""
-    if mode is None:
-        mode = "wal" if publication_exists(conn) else "trigger"
+    installed = "wal" if publication_exists(conn) else "trigger"
+    if mode is not None and mode != installed and installed == "wal":
+        return False, ("capture is installed as the write-ahead log, but [capture] mode is 'trigger': set mode = "
+                       "\"wal\" (or `pollbridge capture switch --to trigger`)")
+    mode = mode or installed
     if mode == "wal":
         return wal_status(conn, tt)
     return capture_status(conn, tt, wake=wake, relay_partitions=relay_partitions)  # type: ignore[arg-type]
@@ -274,6 +359,11 @@ class WalCapture:
         self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
         self.confirmed_lsn = 0
         self.captured = 0
+        #: The WAL capture's share of the changes (see :func:`bounds`), read at each connection and after a
+        #: switch's message in the stream.
+        self.start_lsn: int = 0
+        self.stop_lsn: int | None = None
+        self._reload_bounds = False
         #: Times the slot was found gone and recreated, and the tasks re-derived then (:meth:`recover_slot`).
         self.gaps = 0
         self.rederived = 0
@@ -301,14 +391,26 @@ class WalCapture:
             self._changes += 1
             if row is not None:
                 self._txn.append(row)
+        elif isinstance(message, Skipped) and message.tag == "M":
+            self._reload_bounds = True  # a switch: its state committed with the message
         elif isinstance(message, Commit):
-            rows = self._txn or []
+            if self._reload_bounds:
+                self._load_bounds()
+            # Outside the log's share (before a switch to it, or after a switch away): the triggers have them.
+            inside = message.commit_lsn >= self.start_lsn and (self.stop_lsn is None
+                                                                or message.commit_lsn < self.stop_lsn)
+            rows = (self._txn or []) if inside else []
             for row in rows:
                 row["created_at"] = message.commit_time
                 row["event_id"] = str(uuid.uuid5(_EVENT_NAMESPACE, f"{message.commit_lsn}:{row.pop('pb_n')}"))
             self.pending.rows += rows
             self.pending.end_lsn = message.end_lsn
             self._txn = None
+
+    def _load_bounds(self) -> None:
+        with self.engine.connect() as conn:
+            self.start_lsn, self.stop_lsn = bounds(conn)
+        self._reload_bounds = False
 
     def _row(self, change: Change, n: int) -> dict[str, Any] | None:
         relation = self.relations.get(change.relid)
@@ -419,9 +521,17 @@ class WalCapture:
             r["workflow_type"] = found.get(r["instance_id"])
 
     # --- the loop --------------------------------------------------------------------------------------
+    def _switched_away(self) -> bool:
+        """Whether capture was switched back to the triggers (or removed): then a missing slot is no loss."""
+        try:
+            with self.engine.connect() as conn:
+                return not publication_exists(conn)
+        except Exception:
+            return False
+
     def run(self, stop: threading.Event) -> None:
-        """Stream until ``stop``; reconnect with backoff after a failure (the slot resends what was not
-        confirmed)."""
+        """Stream until ``stop`` or until capture is switched away from the log; reconnect with backoff after a
+        failure (the slot resends what was not confirmed)."""
         backoff = Backoff(first=0.5, cap=10.0)
         while not stop.is_set():
             try:
@@ -430,6 +540,9 @@ class WalCapture:
             except Exception as exc:  # a lost connection, a server restart, a busy slot: try again
                 self.pending = _Pending(end_lsn=self.confirmed_lsn)
                 self._txn = None
+                if self._switched_away():
+                    log.info("write-ahead-log capture switched away: streaming stopped")
+                    return
                 if _slot_gone(exc):
                     try:
                         self.recover_slot()
@@ -497,8 +610,8 @@ class WalCapture:
         conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
         try:
             cur = conn.cursor()
-            cur.start_replication(slot_name=self.slot, decode=False,
-                                  options={"proto_version": "1", "publication_names": PUBLICATION})
+            self._load_bounds()
+            cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS)
             log.info("streaming slot %s from %s", self.slot, lsn_text(self.confirmed_lsn))
             last_feedback = time.monotonic()
             while not stop.is_set():
@@ -535,8 +648,8 @@ class WalCapture:
         deadline = time.monotonic() + timeout
         try:
             cur = conn.cursor()
-            cur.start_replication(slot_name=self.slot, decode=False,
-                                  options={"proto_version": "1", "publication_names": PUBLICATION})
+            self._load_bounds()
+            cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS)
             while True:
                 message = cur.read_message()
                 if message is not None:
@@ -573,6 +686,28 @@ class WalCapture:
         self.flush()
         if self.confirmed_lsn:
             cur.send_feedback(flush_lsn=self.confirmed_lsn)
+
+
+def stream_when_installed(engine: Engine, make: Callable[[], WalCapture], stop: threading.Event,
+                          check_every: float = 5.0, ran: list[WalCapture] | None = None) -> list[WalCapture]:
+    """The relay's loop for the write-ahead log: stream while the WAL capture is installed (its publication
+    exists: ``init`` or ``capture switch`` put it there), look again every ``check_every`` seconds while it is
+    not, so a switch reaches a running relay without a restart. ``make`` builds the capture (reading the
+    mapping) only once it is needed. ``ran`` (returned) collects the captures it ran, as they start (for their
+    counts)."""
+    ran = [] if ran is None else ran
+    while not stop.is_set():
+        try:
+            with engine.connect() as conn:
+                installed = publication_exists(conn)
+            if installed:
+                ran.append(make())
+                ran[-1].run(stop)
+                continue
+        except Exception as exc:  # the database is away, or the mapping does not match: look again later
+            log.warning("write-ahead-log capture: not streaming (%s)", first_line(exc))
+        stop.wait(check_every)
+    return ran
 
 
 def _slot_gone(exc: BaseException) -> bool:

@@ -76,10 +76,19 @@ def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_ur
 def init(ctx: click.Context, demo_schema: bool, as_json: bool) -> None:
     """Install pollbridge's own objects (idempotent)."""
     settings = settings_of(ctx)
-    engine = components_of(ctx).engine()
+    components = components_of(ctx)
+    engine = components.engine()
+    bus = None
     try:
-        result = install.init(engine, demo_schema=demo_schema, mapping=settings.mapping, capture=settings.capture)
+        if settings.capture.mode == "trigger" and install.wal_installed(engine):
+            # Back from the write-ahead log: its share is streamed to its end before the slot goes, here if no
+            # relay streams it.
+            bus = components.bus(engine)
+        result = install.init(engine, demo_schema=demo_schema, mapping=settings.mapping, capture=settings.capture,
+                              bus=bus)
     finally:
+        if bus is not None:
+            bus.close()
         engine.dispose()
     if as_json:
         click.echo(json.dumps({
@@ -87,11 +96,14 @@ def init(ctx: click.Context, demo_schema: bool, as_json: bool) -> None:
             "revision_after": result.revision_after, "migrated": result.revision_before != result.revision_after,
             "demo_tables_created": list(result.demo_tables_created),
             "capture_installed": result.capture_installed, "table": settings.mapping.table,
-            "wake": settings.capture.wake}, indent=2))
+            "wake": settings.capture.wake, "capture_mode": settings.capture.mode}, indent=2))
         return
     if result.demo_tables_created:
         click.echo(f"created demo tables: {', '.join(result.demo_tables_created)}")
-    if result.capture_installed:
+    if result.capture_installed and settings.capture.mode == "wal":
+        click.echo(f"write-ahead-log capture of {settings.mapping.table}: publication and replication slot ready "
+                   "(the relay of partition 0 streams it)")
+    elif result.capture_installed:
         on = ", ".join([settings.mapping.table, *(r.table for r in settings.mapping.related)])
         click.echo(f"capture triggers installed on {on} (wake-up: {settings.capture.wake})")
     if result.revision_before == result.revision_after:
@@ -407,6 +419,59 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
 
 
 @cli.group(cls=WholeHelpGroup)
+def capture() -> None:
+    """Change capture: row triggers, or PostgreSQL's write-ahead log."""
+
+
+@capture.command("switch")
+@click.option("--to", "mode", type=click.Choice(["trigger", "wal"]), required=True,
+              help="The capture to switch to (wal: PostgreSQL with wal_level = logical).")
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+              help="Seconds to wait for the write-ahead log's share to be streamed when switching back.")
+@click.pass_context
+def capture_switch(ctx: click.Context, mode: str, timeout: float) -> None:
+    """Move a running installation to the other capture without losing or doubling a change.
+
+    One transaction installs the new capture and removes the old one, holding the task table against
+    writes for its duration (milliseconds), and marks the switch in the write-ahead log: the triggers own
+    what committed before the mark, the log what commits after it (or the reverse). Switching back to the
+    triggers waits until the log's share is streamed to the mark (by the running relay, else here), then
+    drops the replication slot. Set `[capture] mode` to the same value before the next restart."""
+    from dataclasses import replace as _replace
+
+    from bridge.tasktable.tables import reflect_tables
+
+    components = components_of(ctx)
+    settings = components.settings
+    engine = components.engine()
+    bus = None
+    try:
+        check_connection(engine)
+        tables = reflect_tables(engine, settings.mapping)
+        if mode == "wal":
+            with engine.connect() as conn:
+                from bridge.capture import wal as _wal
+
+                problems = _wal.settings_problems(conn) if conn.dialect.name == "postgresql" else \
+                    ["the write-ahead log is PostgreSQL's: SQLite captures by trigger only"]
+                _wal.captured_columns(conn, tables) if not problems else None
+            if problems:
+                raise click.ClickException(problems[0])
+        else:
+            bus = components.bus(engine)
+        install.switch_capture(engine, tables, _replace(settings.capture, mode=mode), bus=bus, timeout=timeout)
+    except TimeoutError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if bus is not None:
+            bus.close()
+        engine.dispose()
+    click.echo(f"capture is now {'the write-ahead log' if mode == 'wal' else 'by trigger'} on "
+               f"{settings.mapping.table}; set [capture] mode = \"{mode}\" in pollbridge.toml so the relay's next "
+               "start agrees")
+
+
+@cli.group(cls=WholeHelpGroup)
 def relay() -> None:
     """The outbox relay: captured changes to the event bus."""
 
@@ -435,16 +500,25 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
         relay_ = components.relay(engine, bus, partition=partition, registry=registry)
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
-        streamer = None
-        if settings.capture.mode == "wal" and partition == 0:
-            # The slot is read by one process at a time (a second one waits, retrying, until it is free).
-            streamer = components.wal_capture(engine, bus)
-            wal_thread = threading.Thread(target=streamer.run, args=(stop,), name="pollbridge-wal", daemon=True)
-            wal_thread.start()
-            click.echo(f"streaming the write-ahead log of {settings.mapping.table} (slot {streamer.slot})", err=True)
+        streamers: list[Any] = []
+        if partition == 0 and engine.dialect.name == "postgresql":
+            # The relay of partition 0 streams the write-ahead log whenever its capture is installed (a switch
+            # reaches it without a restart); the slot is read by one process at a time, a second one retries.
+            from bridge.capture.wal import stream_when_installed
+
+            opened_bus = bus
+
+            def streaming() -> None:
+                stream_when_installed(engine, lambda: components.wal_capture(engine, opened_bus), stop,
+                                      ran=streamers)
+
+            threading.Thread(target=streaming, name="pollbridge-wal", daemon=True).start()
+            if settings.capture.mode == "wal":
+                click.echo(f"streaming the write-ahead log of {settings.mapping.table}", err=True)
         settle_heap()
         relay_.run(stop)
-        captured = f", {streamer.captured} captured from the write-ahead log" if streamer is not None else ""
+        total = sum(int(getattr(w, "captured", 0)) for w in streamers)
+        captured = f", {total} captured from the write-ahead log" if total else ""
         click.echo(f"relay stopped: {int(relay_.metrics.value('pollbridge_relay_published_total'))} published"
                    f"{captured}", err=True)
     finally:

@@ -101,6 +101,17 @@ relay_state = sa.Table(
     sa.Column("bus_epoch", sa.String(64), nullable=True),
 )
 
+#: Which capture is on and the write-ahead log's share of the changes (migration 0009; one row, id 1).
+capture_state = sa.Table(
+    "pollbridge_capture_state",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("mode", sa.String(16), nullable=False),
+    sa.Column("wal_start_lsn", sa.BigInteger, nullable=True),
+    sa.Column("wal_stop_lsn", sa.BigInteger, nullable=True),
+    sa.Column("changed_at", sa.DateTime(timezone=True), nullable=True),
+)
+
 #: The embedded bus: an append-only log per partition, consumer-group offsets and pending entries
 #: (delivered, not acknowledged), with the same semantics as Redis Streams consumer groups.
 bus_log = sa.Table(

@@ -328,3 +328,59 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Ca
                                  .where(outbox.c.instance_id == "m8", outbox.c.new_status == "queued")).all()
     assert [tuple(r) for r in rederived] == [("open", "status", None, "queued", True)]
     assert streaming.rederived >= 1
+
+
+@pytest.mark.postgres
+def test_switching_capture_while_the_scheduler_writes_loses_and_doubles_nothing(
+        request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Two writers flip task statuses without pause while capture goes trigger → wal → trigger: every committed
+    change is captured exactly once, by whichever capture owned its commit (the switch's mark separates them)."""
+    c = _open(request, tmp_path, "trigger-postgresql")
+    _wal_available(str(c.engine.url.render_as_string(hide_password=False)))
+    try:
+        ids = _new_instance(c, "m9", ["x", "y"])
+        t = c.tables.tasks
+        committed: list[tuple[str, str]] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def writer(task_id: int) -> None:
+            status = "pending"
+            while not stop.is_set():
+                status = "queued" if status == "pending" else "pending"
+                with c.engine.begin() as conn:
+                    conn.execute(t.update().where(t.c.id == task_id).values(status=status))
+                with lock:
+                    committed.append((str(task_id), status))
+
+        threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in ids.values()]
+        for th in threads:
+            th.start()
+        from tests.support import wait_for
+
+        def writes(n: int) -> None:
+            target = len(committed) + n
+            wait_for(lambda: len(committed) >= target, 30.0, what=f"{n} more writes")
+
+        writes(50)
+        install.switch_capture(c.engine, c.tables, CaptureSettings(mode="wal"))
+        writes(50)
+        install.switch_capture(c.engine, c.tables, CaptureSettings(mode="trigger"), bus=c.bus)
+        writes(50)
+        stop.set()
+        for th in threads:
+            th.join(10)
+        with c.engine.connect() as conn:
+            assert not slot_state(conn).exists  # the log's share was streamed to its end, then the slot dropped
+            rows = conn.execute(sa.select(outbox.c.task_id, outbox.c.new_status, outbox.c.published_at)
+                                .where(outbox.c.instance_id == "m9", outbox.c.change == "status")
+                                .order_by(outbox.c.id)).all()
+        by_wal = sum(1 for r in rows if r.published_at is not None)
+        assert by_wal > 0 and len(rows) - by_wal > 0  # both captures had a share
+        for task_id in (str(i) for i in ids.values()):
+            mine = [status for tid, status in committed if tid == task_id]
+            captured = [r.new_status for r in rows if r.task_id == task_id]
+            assert len(captured) == len(mine), f"task {task_id}: {len(captured)} captured, {len(mine)} committed"
+            assert sorted(captured) == sorted(mine)
+    finally:
+        c.close()

@@ -214,7 +214,8 @@ def test_json_has_the_documented_keys(engine: Engine) -> None:
     doc = _status(engine, bus=open_bus("embedded", engine=engine, partitions=2), bus_label="embedded",
                   database_label="postgresql://u:***@h/db").to_json()
     assert set(doc) == {"checked_at", "window_seconds", "database", "types", "totals", "outbox", "bus", "guardian",
-                        "flag_store"}
+                        "flag_store", "capture"}
+    assert doc["capture"] == {"mode": "trigger"}
     assert doc["database"] == "postgresql://u:***@h/db"
     assert set(doc["types"][0]) == {"workflow_type", "phase", "percent", "flag_source", "dispatches",
                                     "fallback_misses", "decisions", "guardian_demotions"}
