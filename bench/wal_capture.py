@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-seconds", type=float, default=10.0)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="1 round of 3 s, 10k rows, short rate runs (CI smoke)")
+    parser.add_argument("--phases", default="write,cost", help="which phases: write, cost, or both")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     if args.quick:
@@ -227,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                           "UPDATE tasks SET status = CASE status WHEN 'pending' THEN 'queued' ELSE 'pending' END "
                           "WHERE id = :id;\n")
         try:
-            results = {"write_path": write_path(url, str(script), args.rounds, args.seconds, namespace),
-                       "cost_per_change": cost_per_change(url, [float(r) for r in args.rates.split(",")],
-                                                          args.rate_seconds, args.idle_seconds, namespace)}
+            phases = set(args.phases.split(","))
+            results: dict[str, Any] = {}
+            if "write" in phases:
+                results["write_path"] = write_path(url, str(script), args.rounds, args.seconds, namespace)
+            if "cost" in phases:
+                results["cost_per_change"] = cost_per_change(url, [float(r) for r in args.rates.split(",")],
+                                                             args.rate_seconds, args.idle_seconds, namespace)
         finally:
             _set_capture(url, "baseline")  # the slot goes before the database does
             delete_namespace(namespace)

@@ -31,6 +31,7 @@ tables, and captured columns that only the read view has.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import select
@@ -359,6 +360,7 @@ class WalCapture:
         self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
         self.confirmed_lsn = 0
         self.captured = 0
+        self._conn: Connection | None = None
         #: The WAL capture's share of the changes (see :func:`bounds`), read at each connection and after a
         #: switch's message in the stream.
         self.start_lsn: int = 0
@@ -492,20 +494,38 @@ class WalCapture:
         confirms :attr:`pending`'s LSN to the server afterwards (:attr:`confirmed_lsn` moves here)."""
         rows, end_lsn = self.pending.rows, self.pending.end_lsn
         if rows:
-            with self.engine.begin() as conn:
-                self._fill_types(conn, rows)
-                params = {f"pb_{n}": [r[n] for r in rows] for n in (
-                    "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
-                    "new_status", "attempt", "trace_id", "created_at")}
-                written = conn.execute(self._insert, params).all()
-                if self.foreign is not None:
-                    record_foreign_dispatches(conn, self.foreign, written)
-                self.bus.publish_in(conn, [encoded_event(r.event_id, r.instance_id, r.task_id, r.payload)
-                                           for r in written])
+            # A kept connection: a pool checkout per batch would add the pool's pre-ping, a transaction of its own
+            # (measured: 1.7 database transactions per change at 200 changes/s with it).
+            if self._conn is None:
+                self._conn = self.engine.connect()
+            conn = self._conn
+            try:
+                with conn.begin():
+                    self._fill_types(conn, rows)
+                    params = {f"pb_{n}": [r[n] for r in rows] for n in (
+                        "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
+                        "new_status", "attempt", "trace_id", "created_at")}
+                    written = conn.execute(self._insert, params).all()
+                    if self.foreign is not None:
+                        record_foreign_dispatches(conn, self.foreign, written)
+                    self.bus.publish_in(conn, [encoded_event(r.event_id, r.instance_id, r.task_id, r.payload)
+                                               for r in written])
+            except BaseException:
+                self.close()
+                raise
         self.pending = _Pending(end_lsn=end_lsn)
         self.confirmed_lsn = max(self.confirmed_lsn, end_lsn)
         self.captured += len(rows)
         return len(rows)
+
+    def close(self) -> None:
+        """Let the kept connection go (the next flush takes a fresh one)."""
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.invalidate()
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
 
     def _fill_types(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         """The workflow type from the instances table, where the mapping takes it from there."""
@@ -532,6 +552,12 @@ class WalCapture:
     def run(self, stop: threading.Event) -> None:
         """Stream until ``stop`` or until capture is switched away from the log; reconnect with backoff after a
         failure (the slot resends what was not confirmed)."""
+        try:
+            self._run(stop)
+        finally:
+            self.close()
+
+    def _run(self, stop: threading.Event) -> None:
         backoff = Backoff(first=0.5, cap=10.0)
         while not stop.is_set():
             try:
