@@ -382,18 +382,26 @@ def run_pgbench(url: str, script: str, clients: int, seconds: int, pgoptions: st
 
 # --- the relay as its own process -------------------------------------------------------------------
 @contextmanager
-def relay_process(url: str, wake: WakeMode, namespace: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``pollbridge relay run`` with ``[capture] wake`` and ``[bus] namespace``; yields once it leads."""
+def relay_process(url: str, wake: WakeMode, namespace: str, mode: str = "trigger") -> Iterator[subprocess.Popen[bytes]]:
+    """``pollbridge relay run`` with ``[capture] wake`` and ``mode`` and ``[bus] namespace``; yields once it leads
+    (and, capturing from the write-ahead log, streams its slot)."""
     workdir = tempfile.mkdtemp(prefix="pbbench-relay-")
-    Path(workdir, "pollbridge.toml").write_text(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n')
-    env = {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
+    Path(workdir, "pollbridge.toml").write_text(
+        f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\nmode = "{mode}"\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
+           "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")
     log_path = Path(workdir, "relay.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([exe, "relay", "run"], cwd=workdir, env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 30
-        while _scalar(url, "SELECT holder FROM pollbridge_relay_state WHERE relay_partition = 0") is None:
+        def up() -> bool:
+            leads = _scalar(url, "SELECT holder FROM pollbridge_relay_state WHERE relay_partition = 0") is not None
+            return leads and (mode != "wal" or bool(_scalar(
+                url, "SELECT bool_or(active) FROM pg_replication_slots WHERE database = current_database()")))
+
+        while not up():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"relay ({wake}) did not take its partition:\n{log_path.read_text()[-2000:]}")
             time.sleep(0.05)

@@ -30,22 +30,18 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 
-from bench.capture import _libpq, _maintenance, _scalar, run_pgbench, seed
-from bench.common import REDIS_URL, delete_namespace, machine, scratch_database, write_json
+from bench.capture import _libpq, _maintenance, _scalar, relay_process, run_pgbench, seed
+from bench.common import delete_namespace, machine, scratch_database, write_json
 from bridge.app import install
 from bridge.capture import wal
 from bridge.capture.triggers import remove_capture
@@ -80,39 +76,9 @@ def _set_capture(url: str, config: str) -> None:
         engine.dispose()
 
 
-@contextlib.contextmanager
-def _relay(url: str, mode: str, namespace: str) -> Iterator[None]:
-    """``pollbridge relay run`` in ``mode``; yields once it leads (and, for wal, streams the slot)."""
-    workdir = tempfile.mkdtemp(prefix="pbbench-wal-")
-    Path(workdir, "pollbridge.toml").write_text(
-        f'[bus]\nnamespace = "{namespace}"\n[capture]\nmode = "{mode}"\nwake = "adaptive"\n')
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
-           "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
-    exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")
-    log = Path(workdir, "relay.log")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([exe, "relay", "run"], cwd=workdir, env=env, stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            leads = _scalar(url, "SELECT holder FROM pollbridge_relay_state WHERE relay_partition = 0") is not None
-            streams = mode != "wal" or bool(_scalar(url, "SELECT bool_or(active) FROM pg_replication_slots "
-                                                         "WHERE database = current_database()"))
-            if leads and streams:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"relay ({mode}) not up:\n{log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        yield
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+def _relay(url: str, mode: str, namespace: str) -> contextlib.AbstractContextManager[Any]:
+    """``pollbridge relay run`` in ``mode`` (wake = adaptive); entered once it leads and, for wal, streams."""
+    return relay_process(url, "adaptive", namespace, mode)
 
 
 def _drained(url: str, mode: str, timeout: float = 120.0) -> None:

@@ -52,7 +52,7 @@ from bridge.core.mapping import StatusValues, TaskTableMapping
 from bridge.core.settings import RelaySettings, WakeMode
 from bridge.core.urls import mask_url
 from bridge.db.clock import as_utc
-from bridge.db.engine import finds_a_row, read_only
+from bridge.db.engine import discard, finds_a_row, read_only
 from bridge.db.listen import ListenWaiter, Waiter
 from bridge.db.schema import relay_state
 
@@ -338,14 +338,10 @@ class Relay:
         return conn
 
     def _drop_connection(self) -> None:
-        if self._conn is not None:
-            # Invalidated, not returned to the pool: it carries the relay's session settings (asynchronous
-            # commit, custom plans), which another user of the engine (run-all) must not inherit.
-            with contextlib.suppress(Exception):
-                self._conn.invalidate()
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
+        # Invalidated, not returned to the pool: it carries the relay's session settings (asynchronous commit,
+        # custom plans), which another user of the engine (run-all) must not inherit.
+        discard(self._conn)
+        self._conn = None
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:

@@ -31,7 +31,6 @@ tables, and captured columns that only the read view has.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import select
@@ -68,6 +67,7 @@ from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
 from bridge.core.mapping import TaskTableMapping
+from bridge.db.engine import discard
 from bridge.db.schema import capture_state as capture_state_table
 from bridge.db.schema import outbox
 from bridge.tasktable.tables import TaskTable
@@ -520,12 +520,8 @@ class WalCapture:
 
     def close(self) -> None:
         """Let the kept connection go (the next flush takes a fresh one)."""
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.invalidate()
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
+        discard(self._conn)
+        self._conn = None
 
     def _fill_types(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         """The workflow type from the instances table, where the mapping takes it from there."""

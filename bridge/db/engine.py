@@ -10,6 +10,7 @@ threads into an immediate ``database is locked`` error that no timeout can wait 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -155,6 +156,17 @@ def autocommit(engine: Engine) -> Engine:
     if engine.dialect.name == "postgresql":
         return engine.execution_options(isolation_level="AUTOCOMMIT")
     return read_only(engine)
+
+
+def discard(conn: Connection | None) -> None:
+    """Let a kept connection go, invalidated rather than returned to the pool: it may carry session settings
+    (asynchronous commit, custom plans) another user of the engine must not inherit, or be broken."""
+    if conn is None:
+        return
+    with contextlib.suppress(Exception):
+        conn.invalidate()
+    with contextlib.suppress(Exception):
+        conn.close()
 
 
 def open_engine(engine_or_url: Engine | str) -> tuple[Engine, bool]:

@@ -3,8 +3,6 @@ and a row published twice carries the same event id both times."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -17,23 +15,11 @@ import sqlalchemy as sa
 from bridge.bus import open_bus
 from bridge.db.engine import create_engine, read_only
 from bridge.db.schema import outbox
-from tests.support import wait_for
+from tests.support import start_relay, wait_for
 
 
 def _relay(cwd: Path, db_url: str, bus_url: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("pollbridge")
-    assert exe, "pollbridge is not installed"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
-           "POLLBRIDGE_DATABASE_URL": db_url, "POLLBRIDGE_BUS_URL": bus_url}
-    # stderr to a file, not a pipe: a pipe nobody drains fills up and blocks the relay's logging.
-    log = cwd / f"relay-{time.monotonic_ns()}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([exe, "relay", "run"], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=out)
-    # Started means: it announced itself (its signal handlers are installed before that line).
-    wait_for(lambda: b"relay partition" in log.read_bytes() or proc.poll() is not None, 60,
-             what="the relay to start")
-    assert proc.poll() is None, log.read_text()
-    return proc
+    return start_relay(cwd, db_url, bus_url)
 
 
 @pytest.mark.parametrize("backend", [

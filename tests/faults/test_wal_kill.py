@@ -5,7 +5,6 @@ relay died) carries the same event id as before; its connections cut by the serv
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -22,23 +21,13 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
-from tests.support import wait_for
+from tests.support import start_relay, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
 
 def _relay(cwd: Path, db_url: str, bus_url: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("pollbridge")
-    assert exe, "pollbridge is not installed"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
-           "POLLBRIDGE_DATABASE_URL": db_url, "POLLBRIDGE_BUS_URL": bus_url}
-    log = cwd / f"relay-{time.monotonic_ns()}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([exe, "relay", "run"], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=out)
-    wait_for(lambda: b"streaming the write-ahead log" in log.read_bytes() or proc.poll() is not None, 60,
-             what="the relay to start")
-    assert proc.poll() is None, log.read_text()
-    return proc
+    return start_relay(cwd, db_url, bus_url, ready=b"streaming the write-ahead log")
 
 
 def test_relay_killed_while_streaming_loses_nothing_and_repeats_ids(pg_empty_url: str, redis_server: str,

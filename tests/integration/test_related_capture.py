@@ -43,6 +43,7 @@ from bridge.db.schema import decisions, dispatch_log, outbox
 from bridge.tasktable.dispatch import write_blocker
 from bridge.tasktable.tables import reflect_tables
 from event_scheduler.scheduler import EventScheduler
+from tests.support import drain
 
 SCHEMA = {
     "sqlite": [
@@ -181,14 +182,7 @@ class Stages:
 
     # --- pollbridge -------------------------------------------------------------------------------------------
     def drain(self) -> None:
-        for _ in range(10):
-            moved = 0
-            while self.relay.publish_batch():
-                moved += 1
-            while self.sched.poll_once(block=0.0):
-                moved += 1
-            if not moved:
-                return
+        drain(self.relay, self.sched)
 
     def decided(self) -> list[tuple[str, int]]:
         with self.engine.connect() as conn:

@@ -25,7 +25,7 @@ from bridge.db.engine import db_now
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.scheduler import EventScheduler
-from tests.support import Env
+from tests.support import Env, drain
 
 STACKS = ["sqlite-embedded", pytest.param("postgresql-embedded", marks=pytest.mark.postgres)]
 RELAY = RelaySettings(batch_size=100, purge_interval=3600)
@@ -43,14 +43,7 @@ class Stack:
         self.sched.refresh_leases()
 
     def drain(self) -> None:
-        for _ in range(10):  # a skip's own captured change wakes its dependents: a few rounds
-            moved = 0
-            while self.relay.publish_batch():
-                moved += 1
-            while self.sched.poll_once(block=0.0):
-                moved += 1
-            if not moved:
-                return
+        drain(self.relay, self.sched)  # a skip's own captured change wakes its dependents: a few rounds
 
     def write(self, key: str, values: dict[str, Any]) -> None:
         t = self.tables.tasks

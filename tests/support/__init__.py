@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import sqlalchemy as sa
@@ -167,3 +170,32 @@ def age_scheduler_member(engine: Engine, bus: EventBus | None, holder: str | Non
                      .values(heartbeat_at=at))
         conn.execute(scheduler_leases.update().where(sa.true() if holder is None else lc.holder == holder)
                      .values(expires_at=at))
+
+
+def start_relay(cwd: Path, db_url: str, bus_url: str, ready: bytes = b"relay partition") -> subprocess.Popen[bytes]:
+    """``pollbridge relay run`` as its own process in ``cwd`` (its ``pollbridge.toml``), started once its log
+    says ``ready`` (its signal handlers are installed before the first line). Its stderr goes to a file, not
+    a pipe: a pipe nobody drains fills up and blocks the relay's logging."""
+    exe = shutil.which("pollbridge")
+    assert exe, "pollbridge is not installed"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
+           "POLLBRIDGE_DATABASE_URL": db_url, "POLLBRIDGE_BUS_URL": bus_url}
+    log = cwd / f"relay-{time.monotonic_ns()}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([exe, "relay", "run"], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    wait_for(lambda: ready in log.read_bytes() or proc.poll() is not None, 60, what="the relay to start")
+    assert proc.poll() is None, log.read_text()
+    return proc
+
+
+def drain(relay: Any, scheduler: Any, rounds: int = 10) -> None:
+    """Publish every captured change and let the scheduler handle every event, until neither moves (a
+    scheduler's own write is captured again: a few rounds)."""
+    for _ in range(rounds):
+        moved = 0
+        while relay.publish_batch():
+            moved += 1
+        while scheduler.poll_once(block=0.0):
+            moved += 1
+        if not moved:
+            return
