@@ -80,6 +80,7 @@ def init(ctx: click.Context, demo_schema: bool, as_json: bool) -> None:
     engine = components.engine()
     bus = None
     try:
+        check_connection(engine)  # first: an unreachable database is one line naming the (masked) URL
         if settings.capture.mode == "trigger" and install.wal_installed(engine):
             # Back from the write-ahead log: its share is streamed to its end before the slot goes, here if no
             # relay streams it.
