@@ -426,8 +426,10 @@ def capture() -> None:
 
 @capture.command("switch")
 @click.option("--to", "mode", type=click.Choice(["trigger", "wal"]), required=True,
+              envvar="POLLBRIDGE_CAPTURE_SWITCH_TO", show_envvar=True,
               help="The capture to switch to (wal: PostgreSQL with wal_level = logical).")
 @click.option("--timeout", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+              envvar="POLLBRIDGE_CAPTURE_SWITCH_TIMEOUT", show_envvar=True,
               help="Seconds to wait for the write-ahead log's share to be streamed when switching back.")
 @click.pass_context
 def capture_switch(ctx: click.Context, mode: str, timeout: float) -> None:
