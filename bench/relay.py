@@ -1,9 +1,12 @@
 """Relay benchmark: throughput into Redis, and commit → event readable on the bus latency.
 
-    python -m bench.relay [--rows 100000] [--rate 500] [--seconds 20] [--wake adaptive] [--quick] [--json FILE]
+    python -m bench.relay [--rows 100000] [--rate 500] [--seconds 20] [--wake adaptive] [--mode trigger|wal]
+                          [--quick] [--json FILE]
 
 1. *Throughput*: ``--rows`` tasks are inserted in one statement (the capture trigger writes one outbox
-   row each), then the relay drains the outbox into Redis Streams; rows/s over the drain.
+   row each), then the relay drains the outbox into Redis Streams; rows/s over the drain. With ``--mode wal``
+   (capture from the write-ahead log) they are inserted in transactions of 1,000 and the capture streams
+   them from the slot into the outbox and Redis (``WalCapture.catch_up``); changes/s from the first read.
 2. *Latency*: with the relay running as its own process (``pollbridge relay run``), a writer commits
    single-row status updates at ``--rate`` per second; a consumer group reads the streams. For each
    update: the time its event was read minus the time its commit returned (same host, same clock).
@@ -31,9 +34,11 @@ from bench.common import REDIS_URL, delete_namespace, latency_summary, machine, 
 from bridge.app import install
 from bridge.bus import open_bus
 from bridge.capture.relay import Relay
+from bridge.capture.wal import WalCapture
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings, RelaySettings
 from bridge.db.engine import create_engine
+from bridge.tasktable.tables import reflect_tables
 
 
 def _seed(engine: sa.Engine, rows: int, instance_prefix: str) -> None:
@@ -67,7 +72,29 @@ def throughput(url: str, rows: int, batch: int, namespace: str) -> dict[str, Any
         engine.dispose()
 
 
-def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) -> dict[str, Any]:
+def wal_throughput(url: str, rows: int, namespace: str) -> dict[str, Any]:
+    engine = create_engine(url)
+    bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    try:
+        for start in range(0, rows, 1000):
+            with engine.begin() as conn:
+                conn.execute(sa.text("INSERT INTO workflow_instances (id, workflow_type) VALUES (:i, 'bench')"),
+                             {"i": f"tp-{start}"})
+                conn.execute(sa.text("INSERT INTO tasks (instance_id, task_key, depends_on) "
+                                     "SELECT :i, 't' || g, '[]' FROM generate_series(0, :n - 1) g"),
+                             {"i": f"tp-{start}", "n": min(1000, rows - start)})
+        capture = WalCapture(engine, reflect_tables(engine, TaskTableMapping()), bus)
+        started = time.perf_counter()
+        published = capture.catch_up(timeout=600)
+        seconds = time.perf_counter() - started
+        return {"rows": published, "mode": "wal", "seconds": round(seconds, 3),
+                "rows_per_s": round(published / seconds, 1)}
+    finally:
+        bus.close()
+        engine.dispose()
+
+
+def latency(url: str, rate: float, seconds: float, wake: str, namespace: str, mode: str = "trigger") -> dict[str, Any]:
     engine = create_engine(url)
     n_updates = int(rate * seconds)
     _seed(engine, n_updates, "lat-")
@@ -75,10 +102,13 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) ->
         ids = list(conn.execute(sa.text("SELECT id FROM tasks WHERE instance_id LIKE 'lat-%' ORDER BY id")).scalars())
     # Drain the seed rows first so the measurement sees only the updates.
     drain_bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
-    relay = Relay(engine, drain_bus, RelaySettings(batch_size=2000), statuses=TaskTableMapping().statuses)
-    while relay.publish_batch():
-        pass
-    relay.leadership.release()
+    if mode == "wal":
+        WalCapture(engine, reflect_tables(engine, TaskTableMapping()), drain_bus).catch_up(timeout=600)
+    else:
+        relay = Relay(engine, drain_bus, RelaySettings(batch_size=2000), statuses=TaskTableMapping().statuses)
+        while relay.publish_batch():
+            pass
+        relay.leadership.release()
     consumer_bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
     consumer_bus.ensure_group("bench")
     # Skip what is already on the streams (the seed inserts): read them once and ack.
@@ -89,9 +119,10 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) ->
         consumer_bus.ack("bench", old)
 
     workdir = tempfile.mkdtemp()
-    env = {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
+           "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
     with open(os.path.join(workdir, "pollbridge.toml"), "w") as f:
-        f.write(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n')
+        f.write(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\nmode = "{mode}"\n')
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")
     proc = subprocess.Popen([exe, "relay", "run"], cwd=workdir, env=env, stderr=subprocess.DEVNULL)
     committed: dict[str, float] = {}
@@ -112,7 +143,7 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) ->
 
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
-    time.sleep(1.0)  # let the relay start and take its partition before the clock starts
+    time.sleep(1.0 if mode == "trigger" else 3.0)  # the relay starts and takes its partition (and its slot)
     interval = 1.0 / rate
     next_at = time.perf_counter()
     with engine.connect() as conn:
@@ -135,7 +166,7 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str) ->
     consumer_bus.close()
     drain_bus.close()
     engine.dispose()
-    return {"rate_per_s": rate, "updates": len(committed), "received": len(lat), "wake": wake,
+    return {"rate_per_s": rate, "updates": len(committed), "received": len(lat), "wake": wake, "mode": mode,
             **latency_summary(lat)}
 
 
@@ -146,6 +177,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=500)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--wake", default="adaptive", choices=["poll", "notify", "adaptive"])
+    parser.add_argument("--mode", default="trigger", choices=["trigger", "wal"],
+                        help="capture: row triggers (default) or the write-ahead log (wal_level = logical)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI (< 1 minute)")
     parser.add_argument("--json", dest="json_path", help="also write the results to this file")
     args = parser.parse_args()
@@ -156,16 +189,21 @@ def main() -> None:
     try:
         with scratch_database("pollbridge_bench_relay") as url:
             engine = create_engine(url)
-            install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings(wake=args.wake))
-            engine.dispose()
-            results["throughput"] = throughput(url, args.rows, args.batch, namespace)
-            results["latency"] = latency(url, args.rate, args.seconds, args.wake, namespace)
+            install.init(engine, demo_schema=True, mapping=TaskTableMapping(),
+                         capture=CaptureSettings(wake=args.wake, mode=args.mode))
+            try:
+                results["throughput"] = throughput(url, args.rows, args.batch, namespace) if args.mode == "trigger" \
+                    else wal_throughput(url, args.rows, namespace)
+                results["latency"] = latency(url, args.rate, args.seconds, args.wake, namespace, args.mode)
+            finally:
+                install.uninstall(engine, TaskTableMapping())  # the slot goes before the database does
+                engine.dispose()
     finally:
         delete_namespace(namespace)
     tp, lat = results["throughput"], results["latency"]
-    print(f"relay throughput: {tp['rows']} rows in {tp['seconds']} s = {tp['rows_per_s']} rows/s "
-          f"(batch {tp['batch_size']})")
-    print(f"commit -> readable on the bus at {lat['rate_per_s']}/s ({lat['wake']}): p50 {lat['p50_ms']} ms, "
+    print(f"relay throughput ({args.mode}): {tp['rows']} rows in {tp['seconds']} s = "
+          f"{tp['rows_per_s']} rows/s")
+    print(f"commit -> readable on the bus at {lat['rate_per_s']}/s ({args.mode}, {lat['wake']}): p50 {lat['p50_ms']} ms, "
           f"p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms "
           f"({lat['received']}/{lat['updates']} received)")
     write_json(args.json_path, results)
