@@ -203,7 +203,8 @@ def main() -> None:
     tp, lat = results["throughput"], results["latency"]
     print(f"relay throughput ({args.mode}): {tp['rows']} rows in {tp['seconds']} s = "
           f"{tp['rows_per_s']} rows/s")
-    print(f"commit -> readable on the bus at {lat['rate_per_s']}/s ({args.mode}, {lat['wake']}): p50 {lat['p50_ms']} ms, "
+    print(f"commit -> readable on the bus at {lat['rate_per_s']}/s ({args.mode}, {lat['wake']}): "
+          f"p50 {lat['p50_ms']} ms, "
           f"p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms "
           f"({lat['received']}/{lat['updates']} received)")
     write_json(args.json_path, results)
