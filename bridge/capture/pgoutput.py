@@ -3,8 +3,9 @@
 The write-ahead-log capture streams a logical replication slot with the built-in ``pgoutput`` plugin; each
 message of the stream is one of the records below. Only what capture needs is decoded: transaction bounds
 (with the commit's LSN and time), relations (a table's columns, sent before its first change in a session
-and again after it changed), and inserts, updates and deletes with their tuples as text. Origin, type,
-truncate and logical-decoding messages are recognised and skipped. The format is PostgreSQL's
+and again after it changed), inserts, updates and deletes with their tuples as text, and logical decoding
+messages (pollbridge's switch marks). Origin, type and truncate messages are recognised and
+skipped. The format is PostgreSQL's
 "Logical Replication Message Formats" chapter; integers are big-endian, strings NUL-terminated.
 """
 
@@ -78,13 +79,24 @@ class Change:
 
 
 @dataclass(frozen=True)
+class LogicalMessage:
+    """A logical decoding message (``pg_logical_emit_message``; streamed with the ``messages`` option):
+    ``transactional`` ones arrive at their transaction's commit, the others at once."""
+
+    transactional: bool
+    lsn: int
+    prefix: str
+    content: bytes
+
+
+@dataclass(frozen=True)
 class Skipped:
     """A message capture does not use (origin, type, truncate, logical message)."""
 
     tag: str
 
 
-Message = Begin | Commit | Relation | Change | Skipped
+Message = Begin | Commit | Relation | Change | LogicalMessage | Skipped
 
 
 class _Reader:
@@ -188,7 +200,12 @@ def decode(data: bytes) -> Message:
         if marker not in ("K", "O"):
             raise DecodeError("delete without an old tuple")
         return Change("delete", relid, None, r.tuple(), marker == "O")
-    if tag in ("O", "Y", "T", "M"):
+    if tag == "M":
+        flags = r.int8()
+        lsn = r.uint64()
+        prefix = r.string()
+        return LogicalMessage(bool(flags & 1), lsn, prefix, r.take(r.int32()))
+    if tag in ("O", "Y", "T"):
         return Skipped(tag)
     raise DecodeError(f"unknown message tag {tag!r}")
 

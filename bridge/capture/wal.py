@@ -55,8 +55,8 @@ from bridge.capture.pgoutput import (
     Change,
     Commit,
     DecodeError,
+    LogicalMessage,
     Relation,
-    Skipped,
     Value,
     decode,
     lsn_text,
@@ -393,7 +393,7 @@ class WalCapture:
             self._changes += 1
             if row is not None:
                 self._txn.append(row)
-        elif isinstance(message, Skipped) and message.tag == "M":
+        elif isinstance(message, LogicalMessage) and message.prefix == "pollbridge":
             self._reload_bounds = True  # a switch: its state committed with the message
         elif isinstance(message, Commit):
             if self._reload_bounds:

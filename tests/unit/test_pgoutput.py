@@ -20,6 +20,7 @@ from bridge.capture.pgoutput import (
     Column,
     Commit,
     DecodeError,
+    LogicalMessage,
     Relation,
     Skipped,
     Value,
@@ -91,9 +92,18 @@ def test_delete(old: tuple[Value, ...]) -> None:
     assert decode(b"D" + struct.pack("!I", 7) + b"K" + _tuple(old)) == Change("delete", 7, None, old, False)
 
 
-@pytest.mark.parametrize("tag", [b"O", b"Y", b"T", b"M"])
+@pytest.mark.parametrize("tag", [b"O", b"Y", b"T"])
 def test_messages_capture_does_not_use_are_skipped(tag: bytes) -> None:
     assert decode(tag + b"\x00" * 12) == Skipped(tag.decode())
+
+
+@given(st.booleans(), st.integers(0, 2**64 - 1), st.text(alphabet=st.characters(blacklist_characters="\x00",
+                                                                                 blacklist_categories=("Cs",))),
+       st.binary(max_size=30))
+def test_logical_message(transactional: bool, lsn: int, prefix: str, content: bytes) -> None:
+    raw = b"M" + (b"\x01" if transactional else b"\x00") + struct.pack("!Q", lsn) + _s(prefix) \
+        + struct.pack("!i", len(content)) + content
+    assert decode(raw) == LogicalMessage(transactional, lsn, prefix, content)
 
 
 @given(values, st.data())
