@@ -4,7 +4,10 @@ Every ``guardian.interval`` seconds :meth:`Guardian.check_once` measures three c
 
 * **outbox_age**: the age, by the database clock, of the oldest unpublished outbox row
   (``published_at IS NULL``). Past ``max_outbox_age`` the capture/relay path is stuck: no event
-  reaches the scheduler, so every *guarded* type is demoted.
+  reaches the scheduler, so every *guarded* type is demoted. With capture from the write-ahead log the
+  outbox holds only published rows, so the figure is also how long the capture's replication slot has
+  been without a reader, or missing (as this guardian saw it, checking every ``interval``): the larger
+  of the two.
 * **lag**: the consumer lag of the scheduler's group (``scheduler.group``), summed over the bus
   partitions. Past ``max_lag`` the scheduler is not keeping up (or not running): every guarded type
   is demoted. The bus is optional: when there is none, or it cannot be reached, this criterion is
@@ -54,6 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -66,6 +70,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.bus.base import EventBus
 from bridge.capture.outbox import read_backlog
+from bridge.capture.wal import publication_exists, slot_state
 from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.phases import Flag, Phase
 from bridge.core.settings import GuardianSettings, SchedulerSettings
@@ -204,6 +209,8 @@ class Guardian:
         self._reader = read_only(engine)
         self._dialect = engine.dialect.name
         self._lag_known: bool | None = None  # None: not checked yet
+        self._slot_down_since: float | None = None  # monotonic: first check that saw the WAL slot unread
+        self._slot_age = 0.0
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._demotions = Counter("pollbridge_guardian_demotions", "Workflow types the guardian demoted to polling, "
@@ -279,6 +286,9 @@ class Guardian:
         s = self.settings
         flags = self.store.all()
         unpublished, age, now = self.outbox_age()
+        slot_down = self._slot_down()
+        self._slot_age = slot_down
+        age = max(age, slot_down)
         self._outbox_age.set(age)
         partitions, lag_detail = self.lag()
         lag = sum(partitions.values()) if partitions is not None else None
@@ -315,14 +325,36 @@ class Guardian:
             raise GuardianError("guardian could not demote " + "; ".join(failures))
         return report
 
+    def _slot_down(self) -> float:
+        """Seconds the write-ahead-log capture's slot has been without a reader or missing, as seen by this
+        guardian's checks (0 when it is streamed, or when capture is by trigger)."""
+        if self._dialect != "postgresql":
+            return 0.0
+        with self._reader.connect() as conn:
+            if not publication_exists(conn):
+                self._slot_down_since = None
+                return 0.0
+            state = slot_state(conn)
+        if state.exists and state.active and state.wal_status != "lost":
+            self._slot_down_since = None
+            return 0.0
+        now = time.monotonic()
+        if self._slot_down_since is None:
+            self._slot_down_since = now
+        return now - self._slot_down_since
+
     def _threshold(self, flag: Flag, name: str) -> float:
         return float(flag.thresholds.get(name, getattr(self.settings, name)))
 
     def _judge_outbox(self, flag: Flag, age: float, unpublished: int) -> Finding:
         limit = self._threshold(flag, "max_outbox_age")
         state: State = "exceeded" if age > limit else "ok"
-        detail = (f"oldest unpublished outbox row is {age:.1f} s old ({unpublished} unpublished), "
-                  f"{'above' if age > limit else 'within'} max_outbox_age {limit:g} s")
+        if self._slot_age and self._slot_age >= age:
+            detail = (f"the write-ahead-log capture's slot has had no reader for {age:.1f} s, "
+                      f"{'above' if age > limit else 'within'} max_outbox_age {limit:g} s")
+        else:
+            detail = (f"oldest unpublished outbox row is {age:.1f} s old ({unpublished} unpublished), "
+                      f"{'above' if age > limit else 'within'} max_outbox_age {limit:g} s")
         if state == "exceeded":
             detail += ": the capture/relay path is stuck"
         return Finding("outbox_age", state, round(age, 3), limit, detail)

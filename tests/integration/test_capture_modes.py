@@ -413,3 +413,42 @@ def test_an_idle_table_does_not_keep_the_rest_of_the_databases_wal(walcap: Captu
     finally:
         stop.set()
         thread.join(10)
+
+
+@pytest.mark.postgres
+def test_the_guardian_demotes_when_nobody_streams_the_slot(walcap: Capture) -> None:
+    """With capture from the log the outbox holds no backlog, so a dead relay would show in no outbox age: the
+    guardian counts how long the slot has been without a reader instead, and demotes guarded types past
+    max_outbox_age; a streamed slot counts nothing."""
+    from bridge.core.settings import GuardianSettings
+    from bridge.flags.store import FlagStore
+    from bridge.rollout.guardian import Guardian
+
+    store = FlagStore(walcap.engine)
+    store.change("orders", "cutover", actor="test", reason="test", forced=True)
+    guardian = Guardian(walcap.engine, GuardianSettings(max_outbox_age=30), store=store)
+    assert guardian.check_once().demoted == []  # just seen without a reader: 0 s so far
+    assert guardian._slot_down_since is not None
+    guardian._slot_down_since -= 60  # as if its checks had seen no reader for a minute
+    report = guardian.check_once()
+    assert report.demoted == ["orders"]
+    assert store.all()["orders"].phase == "polling"
+    assert "slot has had no reader for" in report.verdicts[0].reason
+
+    stop = threading.Event()
+    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
+    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
+    thread.start()
+    from tests.support import wait_for
+    try:
+        def active() -> bool:
+            with walcap.engine.connect() as c:
+                return slot_state(c).active
+
+        wait_for(active, 20.0, what="the slot to be streamed")
+        store.change("orders", "cutover", actor="test", reason="again", forced=True)
+        assert guardian.check_once().demoted == []
+        assert guardian._slot_down_since is None
+    finally:
+        stop.set()
+        thread.join(10)
