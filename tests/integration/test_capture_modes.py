@@ -11,6 +11,7 @@ scheduler's schema), removed by ``uninstall``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -32,6 +33,7 @@ from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
 from bridge.reconcile.status import gather_status
 from bridge.tasktable.tables import reflect_tables
+from tests.support import wait_for
 
 MODES = ["trigger-sqlite", pytest.param("trigger-postgresql", marks=pytest.mark.postgres),
          pytest.param("wal-postgresql", marks=pytest.mark.postgres)]
@@ -194,6 +196,27 @@ def test_composite_keys_a_null_status_and_the_attempt(request: pytest.FixtureReq
 
 
 # --- what only the write-ahead log does ---------------------------------------------------------------------
+@contextlib.contextmanager
+def streaming(c: Capture, *, wait_active: bool = True) -> Iterator[WalCapture]:
+    """A WAL capture streaming in a thread (as the relay runs it), stopped on the way out; entered once the slot
+    is streamed (``wait_active``)."""
+    stop = threading.Event()
+    capture = WalCapture(c.engine, c.tables, c.bus)
+    thread = threading.Thread(target=capture.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        if wait_active:
+            wait_for(lambda: slot_active(c), 20.0, what="the slot to be streamed")
+        yield capture
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def slot_active(c: Capture) -> bool:
+    with c.engine.connect() as conn:
+        return slot_state(conn).active
+
 
 @pytest.fixture
 def walcap(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Capture]:
@@ -267,23 +290,8 @@ def test_a_dropped_slot_is_reported_and_a_streaming_one_cannot_be_removed(walcap
         ok, line = capture_state(conn, walcap.tables)
     assert not ok and f"replication slot {slot} missing; run `pollbridge init`" in line
     install.init(walcap.engine, mapping=walcap.mapping, capture=CaptureSettings(mode="wal"))
-    stop = threading.Event()
-    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
-    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        from tests.support import wait_for
-
-        def active() -> bool:
-            with walcap.engine.connect() as c:
-                return slot_state(c).active
-
-        wait_for(active, 20.0, what="the slot to be streamed")
-        with pytest.raises(Exception, match="stop the relay first"):
-            install.uninstall(walcap.engine, walcap.mapping)
-    finally:
-        stop.set()
-        thread.join(10)
+    with streaming(walcap), pytest.raises(Exception, match="stop the relay first"):
+        install.uninstall(walcap.engine, walcap.mapping)
 
 
 @pytest.mark.postgres
@@ -296,18 +304,7 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Ca
     with walcap.engine.begin() as conn:
         conn.execute(t.update().where(t.c.id == ids["done"]).values(status="completed"))
     walcap.rows()  # streamed and confirmed so far
-    stop = threading.Event()
-    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
-    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
-    thread.start()
-    from tests.support import wait_for
-
-    def active() -> bool:
-        with walcap.engine.connect() as c:
-            return slot_state(c).active
-
-    try:
-        wait_for(active, 20.0, what="the slot to be streamed")
+    with streaming(walcap) as capture:
         with walcap.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             slot = wal.slot_name(conn)
             conn.exec_driver_sql("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
@@ -317,17 +314,14 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Ca
                      what="the walsender to let the slot go")
             conn.exec_driver_sql(f"SELECT pg_drop_replication_slot('{slot}')")
             conn.execute(t.update().where(t.c.id == ids["open"]).values(status="queued"))  # in no log now
-        wait_for(lambda: streaming.gaps == 1, 30.0, what="the lost slot to be recreated")
-    finally:
-        stop.set()
-        thread.join(10)
+        wait_for(lambda: capture.gaps == 1, 30.0, what="the lost slot to be recreated")
     with walcap.engine.connect() as conn:
         assert slot_state(conn).exists
         rederived = conn.execute(sa.select(outbox.c.task_key, outbox.c.change, outbox.c.old_status,
                                            outbox.c.new_status, outbox.c.published_at.is_not(None))
                                  .where(outbox.c.instance_id == "m8", outbox.c.new_status == "queued")).all()
     assert [tuple(r) for r in rederived] == [("open", "status", None, "queued", True)]
-    assert streaming.rederived >= 1
+    assert capture.rederived >= 1
 
 
 @pytest.mark.postgres
@@ -356,7 +350,6 @@ def test_switching_capture_while_the_scheduler_writes_loses_and_doubles_nothing(
         threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in ids.values()]
         for th in threads:
             th.start()
-        from tests.support import wait_for
 
         def writes(n: int) -> None:
             target = len(committed) + n
@@ -394,12 +387,7 @@ def test_an_idle_table_does_not_keep_the_rest_of_the_databases_wal(walcap: Captu
     even with the capture's own feedback held back), so the WAL it retains stays small. A regression guard:
     a slot that kept the database's WAL while its table idles would fill the disk."""
     monkeypatch.setattr(wal, "FEEDBACK_INTERVAL", 3600.0)
-    stop = threading.Event()
-    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
-    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
-    thread.start()
-    from tests.support import wait_for
-    try:
+    with streaming(walcap, wait_active=False):
         with walcap.engine.begin() as conn:
             conn.exec_driver_sql("CREATE TABLE other_work (id serial PRIMARY KEY, body text)")
             conn.exec_driver_sql("INSERT INTO other_work (body) SELECT repeat('x', 500) FROM generate_series(1, 20000)")
@@ -410,9 +398,6 @@ def test_an_idle_table_does_not_keep_the_rest_of_the_databases_wal(walcap: Captu
 
         assert lag() > 5_000_000  # the other table's WAL, not yet confirmed
         wait_for(lambda: lag() < 1_000_000, 30.0, what="the slot to confirm past the other table's WAL")
-    finally:
-        stop.set()
-        thread.join(10)
 
 
 @pytest.mark.postgres
@@ -435,20 +420,7 @@ def test_the_guardian_demotes_when_nobody_streams_the_slot(walcap: Capture) -> N
     assert store.all()["orders"].phase == "polling"
     assert "slot has had no reader for" in report.verdicts[0].reason
 
-    stop = threading.Event()
-    streaming = WalCapture(walcap.engine, walcap.tables, walcap.bus)
-    thread = threading.Thread(target=streaming.run, args=(stop,), daemon=True)
-    thread.start()
-    from tests.support import wait_for
-    try:
-        def active() -> bool:
-            with walcap.engine.connect() as c:
-                return slot_state(c).active
-
-        wait_for(active, 20.0, what="the slot to be streamed")
+    with streaming(walcap):
         store.change("orders", "cutover", actor="test", reason="again", forced=True)
         assert guardian.check_once().demoted == []
         assert guardian._slot_down_since is None
-    finally:
-        stop.set()
-        thread.join(10)
