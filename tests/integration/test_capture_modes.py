@@ -33,7 +33,7 @@ from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
 from bridge.reconcile.status import gather_status
 from bridge.tasktable.tables import reflect_tables
-from tests.support import wait_for
+from tests.support import Audit, wait_for
 
 MODES = ["trigger-sqlite", pytest.param("trigger-postgresql", marks=pytest.mark.postgres),
          pytest.param("wal-postgresql", marks=pytest.mark.postgres)]
@@ -424,3 +424,52 @@ def test_the_guardian_demotes_when_nobody_streams_the_slot(walcap: Capture) -> N
         store.change("orders", "cutover", actor="test", reason="again", forced=True)
         assert guardian.check_once().demoted == []
         assert guardian._slot_down_since is None
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_lost_bus_gets_the_logs_changes_again(walcap: Capture, redis_server: str, redis_namespace: str) -> None:
+    """Redis flushed (restarted without persistence) while capture is from the log: the captured rows are in the
+    outbox as with the trigger, so the relay's bus-loss replay republishes them; a consumer group made after the
+    loss receives every change, old and new, once per event id."""
+    import redis
+
+    from bridge.capture.relay import Relay
+    from bridge.core.settings import RelaySettings
+
+    bus = open_bus(redis_server, partitions=4, namespace=redis_namespace)
+    relay = Relay(walcap.engine, bus, RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2,
+                                                     epoch_check_interval=0.05, lease_timeout=1.0,
+                                                     purge_interval=3600), statuses=walcap.mapping.statuses)
+    stop = threading.Event()
+    relay_thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    relay_thread.start()
+    capture = WalCapture(walcap.engine, walcap.tables, bus)
+    streamer = threading.Thread(target=capture.run, args=(stop,), daemon=True)
+    streamer.start()
+
+    def event_ids() -> set[str]:
+        with walcap.engine.connect() as conn:
+            return set(conn.execute(sa.select(outbox.c.event_id)).scalars())
+
+    try:
+        _new_instance(walcap, "before", [f"t{i}" for i in range(10)])
+        wait_for(lambda: len(event_ids()) == 10, 30.0, what="the log's changes captured")
+        before = event_ids()
+        assert Audit(open_bus(redis_server, partitions=4, namespace=redis_namespace), "first").collect(before) == before
+        client = redis.Redis.from_url(redis_server)
+        client.delete(*list(client.scan_iter(match=f"{redis_namespace}:*")))
+        client.close()
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_bus_resets_total") >= 1, 20.0,
+                 what="the bus loss detected")
+        _new_instance(walcap, "after", [f"u{i}" for i in range(5)])
+        wait_for(lambda: len(event_ids()) == 15, 30.0, what="the new changes captured")
+        everything = event_ids()
+        audit = Audit(open_bus(redis_server, partitions=4, namespace=redis_namespace), "after-loss")
+        assert audit.collect(everything) == everything
+        assert relay.metrics.value("pollbridge_relay_republished_total") >= 10
+    finally:
+        stop.set()
+        relay_thread.join(15)
+        streamer.join(15)
+        bus.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -14,13 +13,12 @@ import pytest
 import sqlalchemy as sa
 
 from bridge.bus import EventBus, open_bus
-from bridge.bus.base import Delivery
 from bridge.capture.leadership import ADVISORY_NAMESPACE
 from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings
 from bridge.db.clock import as_utc
 from bridge.db.schema import outbox, outbox_dead, relay_state
-from tests.support import Env, wait_for
+from tests.support import Audit, Env, wait_for
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
                      lease_timeout=1.0, purge_interval=3600)
@@ -36,29 +34,6 @@ def add_tasks(env: Env, instance: str, n: int) -> None:
 def outbox_event_ids(env: Env) -> set[str]:
     with env.engine.connect() as conn:
         return set(conn.execute(sa.select(outbox.c.event_id)).scalars())
-
-
-class Audit:
-    """A consumer group of its own that collects every event id the bus delivers."""
-
-    def __init__(self, bus: EventBus, group: str = "audit") -> None:
-        self.bus, self.group = bus, group
-        bus.ensure_group(group)
-        self.seen: list[Delivery] = []
-
-    def collect(self, expected: set[str], timeout: float = 20.0) -> set[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            batch = self.bus.read(self.group, "auditor", list(range(self.bus.partitions)), 500, 0.05)
-            if batch:
-                self.bus.ack(self.group, batch)
-                self.seen.extend(batch)
-            ids = self.ids()
-            if expected <= ids or time.monotonic() > deadline:
-                return ids
-
-    def ids(self) -> set[str]:
-        return {d.event.id for d in self.seen if d.event is not None}
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from bridge.bus import open_bus
-from bridge.bus.base import EventBus
+from bridge.bus.base import Delivery, EventBus
 from bridge.reference.oracle import Verdict, verify
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.poller import LegacyPoller
@@ -199,3 +199,26 @@ def drain(relay: Any, scheduler: Any, rounds: int = 10) -> None:
             moved += 1
         if not moved:
             return
+
+
+class Audit:
+    """A consumer group of its own that collects every event id the bus delivers."""
+
+    def __init__(self, bus: EventBus, group: str = "audit") -> None:
+        self.bus, self.group = bus, group
+        bus.ensure_group(group)
+        self.seen: list[Delivery] = []
+
+    def collect(self, expected: set[str], timeout: float = 20.0) -> set[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            batch = self.bus.read(self.group, "auditor", list(range(self.bus.partitions)), 500, 0.05)
+            if batch:
+                self.bus.ack(self.group, batch)
+                self.seen.extend(batch)
+            ids = self.ids()
+            if expected <= ids or time.monotonic() > deadline:
+                return ids
+
+    def ids(self) -> set[str]:
+        return {d.event.id for d in self.seen if d.event is not None}
