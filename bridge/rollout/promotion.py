@@ -7,12 +7,14 @@ and the audit row records that it was forced and what the gate said. Skipping a 
 
 The gates:
 
-* entering ``dual_write``: the capture triggers are installed on the task table (the event path can
-  only shadow what it sees);
+* entering ``dual_write``: capture is installed and current for the task table, by trigger or from the
+  write-ahead log, whichever is installed (the event path can only shadow what it sees);
 * entering ``selective``, raising its percentage, entering ``cutover``: the reconciler over the gate
   window, counting only evidence gathered since the type's current phase began, shows at least
-  ``min_tasks`` compared tasks, no ``early`` and no ``duplicate`` action, and an upper confidence bound
-  of the miss rate below ``miss_budget``. A type's flag thresholds override ``[gates]``.
+  ``min_tasks`` matched tasks (a shadow decision or event dispatch paired with the legacy dispatch; an
+  ``extra`` decision or a miss is compared but is no such evidence, and no legacy dispatch at all is
+  ``no_evidence``), no ``early`` and no ``duplicate`` action, and an upper confidence bound of the miss
+  rate below ``miss_budget`` (:mod:`bridge.reconcile.gate`). A type's flag thresholds override ``[gates]``.
 """
 
 from __future__ import annotations
