@@ -11,9 +11,9 @@ The gates:
   write-ahead log, whichever is installed (the event path can only shadow what it sees);
 * entering ``selective``, raising its percentage, entering ``cutover``: the reconciler over the gate
   window, counting only evidence gathered since the type's current phase began, shows at least
-  ``min_tasks`` matched tasks (a shadow decision or event dispatch paired with the legacy dispatch; an
-  ``extra`` decision or a miss is compared but is no such evidence, and no legacy dispatch at all is
-  ``no_evidence``), no ``early`` and no ``duplicate`` action, and an upper confidence bound of the miss
+  ``min_tasks`` matched tasks (``matched`` and ``late``: the event path's action paired with the legacy
+  dispatch; an ``extra`` decision or a miss is compared but is no such evidence, and no legacy dispatch at
+  all is ``no_evidence``), no ``early`` and no ``duplicate`` action, and an upper confidence bound of the miss
   rate below ``miss_budget`` (:mod:`bridge.reconcile.gate`). A type's flag thresholds override ``[gates]``.
 """
 
