@@ -240,8 +240,18 @@ def remove_wal(conn: Connection, *, end_stream: bool = False) -> list[str]:
         return []
     dropped = []
     slot = slot_name(conn)
-    active = conn.exec_driver_sql("SELECT active FROM pg_catalog.pg_replication_slots "
-                                  f"WHERE slot_name = '{slot}'").first()
+
+    def state() -> Any:
+        return conn.exec_driver_sql("SELECT active FROM pg_catalog.pg_replication_slots "
+                                    f"WHERE slot_name = '{slot}'").first()
+
+    active = state()
+    # A reader that just disconnected holds the slot a moment longer (its walsender is exiting): a grace
+    # period tells that from a relay that is streaming.
+    grace = time.monotonic() + 2.0
+    while active is not None and active[0] and not end_stream and time.monotonic() < grace:
+        time.sleep(0.05)
+        active = state()
     if active is not None and active[0] and not end_stream:
         raise MappingMismatch(f"replication slot {slot} is being read (a relay is running): stop the relay first")
     if conn.exec_driver_sql(f"SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{PUBLICATION}'").first():
