@@ -65,8 +65,8 @@ WATCHED = (("status", "status"), ("due", "due_at"), ("signal", "signal_received_
 #: What the function's comment starts with; the rest is ``sha256:<hex> wake:<mode> relay_partitions:<n>``.
 COMMENT_PREFIX = "pollbridge capture"
 _COMMENT = re.compile(r"^pollbridge capture sha256:([0-9a-f]{64}) wake:([a-z]+) relay_partitions:([0-9]+)$")
-#: Mapped columns the capture SQL reads on the task table (when reads go through a view, on the base table).
-_CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
+#: Mapped columns capture reads on the task table (the triggers, and the WAL capture's publication).
+CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
              "attempts", "workflow_type")
 
 
@@ -288,7 +288,7 @@ def _row_columns(conn: Connection, tt: TaskTable, target: sa.Table, view: str | 
     through the read view by the row's id (a status joined from another table, a key the view computes)."""
     cols = tt.mapping.columns
     out: Columns = {}
-    for logical in _CAPTURED:
+    for logical in CAPTURED:
         for column in cols.parts(logical):
             if column in target.c:
                 out[column] = f"NEW.{_q(conn, column)}"

@@ -62,7 +62,7 @@ from bridge.capture.pgoutput import (
     lsn_text,
 )
 from bridge.capture.queries import event_payload_sql
-from bridge.capture.triggers import WATCHED, capture_status, capture_target
+from bridge.capture.triggers import CAPTURED, WATCHED, capture_status, capture_target
 from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
@@ -94,9 +94,6 @@ FEEDBACK_INTERVAL = 10.0
 #: pgoutput's options: protocol 1, the publication, and logical decoding messages (a switch's marker).
 STREAM_OPTIONS = {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"}
 _EVENT_NAMESPACE = uuid.UUID("6f1c2a8e-3b51-4d0e-9a57-1f2b9c7d4e10")
-#: Mapped columns the capture reads (as the trigger does).
-_CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
-             "attempts", "workflow_type")
 
 
 # --- installing -----------------------------------------------------------------------------------------
@@ -112,7 +109,7 @@ def captured_columns(conn: Connection, tt: TaskTable) -> list[str]:
                               "'trigger' for this mapping")
     target = capture_target(conn, tt)
     columns: list[str] = []
-    for logical in _CAPTURED:
+    for logical in CAPTURED:
         for column in tt.mapping.columns.parts(logical):
             if column not in target.c:
                 raise MappingMismatch(f"[capture] mode = 'wal' reads column {column!r} (mapping.columns.{logical}) "
@@ -600,31 +597,20 @@ class WalCapture:
         self._seen.clear()
         tt = self.tables
         cols = tt.mapping.columns
-        columns = [tt.col(logical) for logical in ("id", "status")]
-        parts = {logical: [tt.tasks.c[c] for c in cols.parts(logical)] for logical in ("instance_id", "task_key")}
-        q = sa.select(*columns, *parts["instance_id"], *parts["task_key"],
-                      *([tt.col("workflow_type")] if cols.workflow_type else []),
-                      *([tt.col("attempts")] if cols.attempts else [])) \
+        # The keys' text forms as the evaluation reads them (TaskTable.key_text), not rebuilt here.
+        q = sa.select(sa.cast(tt.col("id"), sa.Text).label("task_id"), tt.col("status").label("status"),
+                      tt.key_text("instance_id").label("instance_id"), tt.key_text("task_key").label("task_key"),
+                      (sa.cast(tt.col("workflow_type"), sa.Text) if cols.workflow_type else sa.null())
+                      .label("workflow_type"),
+                      (tt.col("attempts") if cols.attempts else sa.null()).label("attempt")) \
             .where(sa.not_(tt.status_in("completed", "failed", *(["skipped"] if tt.statuses.of("skipped") else []))))
-        rows: list[dict[str, Any]] = []
-        now = None
         with self.engine.connect() as conn:
             now = conn.exec_driver_sql("SELECT clock_timestamp()").scalar_one()
-            for r in conn.execute(q):
-                values = list(r)
-                task_id, status = values[0], values[1]
-                n_instance, n_key = len(parts["instance_id"]), len(parts["task_key"])
-                instance = "/".join(_text(None if v is None else str(v)) for v in values[2:2 + n_instance])
-                at = 2 + n_instance
-                key = "/".join(_text(None if v is None else str(v)) for v in values[at:at + n_key])
-                at += n_key
-                workflow_type = str(values[at]) if cols.workflow_type and values[at] is not None else None
-                attempt = values[-1] if cols.attempts else None
-                rows.append({"event_id": str(uuid.uuid4()), "task_id": str(task_id), "instance_id": instance,
-                             "task_key": key, "workflow_type": workflow_type, "change": "status",
-                             "old_status": None, "new_status": None if status is None else str(status),
-                             "attempt": attempt if isinstance(attempt, int) else None,
-                             "trace_id": uuid.uuid4().hex, "created_at": now})
+            rows = [{"event_id": str(uuid.uuid4()), "task_id": r.task_id, "instance_id": r.instance_id,
+                     "task_key": r.task_key, "workflow_type": r.workflow_type, "change": "status",
+                     "old_status": None, "new_status": None if r.status is None else str(r.status),
+                     "attempt": r.attempt if isinstance(r.attempt, int) else None,
+                     "trace_id": uuid.uuid4().hex, "created_at": now} for r in conn.execute(q)]
         self.pending = _Pending(rows=rows, end_lsn=0)
         self.flush()
         self.gaps += 1
@@ -735,7 +721,8 @@ def stream_when_installed(engine: Engine, make: Callable[[], WalCapture], stop: 
                           check_every: float = 5.0, ran: list[WalCapture] | None = None) -> list[WalCapture]:
     """The relay's loop for the write-ahead log: stream while the WAL capture is installed (its publication
     exists: ``init`` or ``capture switch`` put it there), look again every ``check_every`` seconds while it is
-    not, so a switch reaches a running relay without a restart. ``make`` builds the capture (reading the
+    not (the relay runs it only where the log's capture is configured or installed). ``make`` builds the
+    capture (reading the
     mapping) only once it is needed. ``ran`` (returned) collects the captures it ran, as they start (for their
     counts)."""
     ran = [] if ran is None else ran

@@ -439,7 +439,8 @@ def capture_switch(ctx: click.Context, mode: str, timeout: float) -> None:
     writes for its duration (milliseconds), and marks the switch in the write-ahead log: the triggers own
     what committed before the mark, the log what commits after it (or the reverse). Switching back to the
     triggers waits until the log's share is streamed to the mark (by the running relay, else here), then
-    drops the replication slot. Set `[capture] mode` to the same value before the next restart."""
+    drops the replication slot. Set `[capture] mode` to the same value; after a switch to the log, restart the
+    relay of partition 0, which streams the slot from then on (the slot keeps every change until then)."""
     from dataclasses import replace as _replace
 
     from bridge.tasktable.tables import reflect_tables
@@ -470,8 +471,9 @@ def capture_switch(ctx: click.Context, mode: str, timeout: float) -> None:
             bus.close()
         engine.dispose()
     click.echo(f"capture is now {'the write-ahead log' if mode == 'wal' else 'by trigger'} on "
-               f"{settings.mapping.table}; set [capture] mode = \"{mode}\" in pollbridge.toml so the relay's next "
-               "start agrees")
+               f"{settings.mapping.table}; set [capture] mode = \"{mode}\" in pollbridge.toml"
+               + (" and restart the relay of partition 0 (it streams the slot from its next start)" if mode == "wal"
+                  else ""))
 
 
 @cli.group(cls=WholeHelpGroup)
@@ -504,9 +506,11 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
         streamers: list[Any] = []
-        if partition == 0 and engine.dialect.name == "postgresql":
-            # The relay of partition 0 streams the write-ahead log whenever its capture is installed (a switch
-            # reaches it without a restart); the slot is read by one process at a time, a second one retries.
+        if partition == 0 and (settings.capture.mode == "wal" or install.wal_installed(engine)):
+            # The relay of partition 0 streams the write-ahead log while its capture is installed (a switch back to
+            # the triggers ends the stream; a switch to the log waits for the relay's next start, so a relay that
+            # captures by trigger adds no look of its own to its idle cost). One process reads the slot at a
+            # time; a second one retries.
             from bridge.capture.wal import stream_when_installed
 
             opened_bus = bus
