@@ -244,3 +244,57 @@ flag_audit = sa.Table(
     sa.Column("changed_at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("pollbridge_flag_audit_type_time_idx", "workflow_type", "changed_at"),
 )
+
+#: Ready tasks the event scheduler holds back by backpressure (``rate``, ``max_in_flight``; migration 0010):
+#: one row per task, written when a hold starts and renewed each time the scheduler looks again. A hold is
+#: *legitimate* while ``until`` (when its holder looks again) is less than ``HOLD_SLACK`` seconds past
+#: (:mod:`event_scheduler.holds`): then the poller's fallback and safety sweep leave the task alone, the
+#: reconciler does not count it a miss and the guardian does not count it a failure. ``released_at`` is set
+#: when the holder dispatched the task; the row stays (the reconciler's evidence) until retention prunes it.
+holds = sa.Table(
+    "pollbridge_holds",
+    metadata,
+    sa.Column("task_id", Key, primary_key=True),
+    sa.Column("instance_id", Key, nullable=False),
+    sa.Column("workflow_type", Key, nullable=True),
+    sa.Column("task_key", Key, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=True),
+    # 'rate' or 'in_flight'
+    sa.Column("reason", sa.String(16), nullable=False),
+    sa.Column("held_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("until", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("holder", sa.String(200), nullable=False),
+    sa.Column("released_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Index("pollbridge_holds_type_idx", "workflow_type", "held_at"),
+)
+
+#: The review queue (migration 0010): tasks the depth guard (or the dispatch-count guard) stopped before
+#: dispatch, for a person to release or reject (``pollbridge review``). One open row (``decision`` NULL) per
+#: task at most; a decided row stays as the audit record (who, when, why), and a ``released`` one exempts
+#: the task from the guards from then on. ``moved`` says the task row itself was moved to the mapping's
+#: ``review`` status (without one it stays pending and every dispatcher leaves it alone while it is parked).
+review = sa.Table(
+    "pollbridge_review",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("task_id", Key, nullable=False),
+    sa.Column("instance_id", Key, nullable=False),
+    sa.Column("workflow_type", Key, nullable=True),
+    sa.Column("task_key", Key, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=True),
+    # 'depth' or 'dispatches'
+    sa.Column("guard", sa.String(16), nullable=False),
+    sa.Column("measured", sa.Integer, nullable=False),
+    sa.Column("limit_value", sa.Integer, nullable=False),
+    sa.Column("moved", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("parked_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("parked_by", sa.String(200), nullable=False),
+    # NULL while parked; 'released' or 'rejected'
+    sa.Column("decision", sa.String(16), nullable=True),
+    sa.Column("decided_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("decided_by", sa.String(200), nullable=True),
+    sa.Column("decision_reason", sa.Text, nullable=True),
+    sa.Index("pollbridge_review_task_idx", "task_id"),
+    sa.Index("pollbridge_review_open_key", "task_id", unique=True,
+             postgresql_where=sa.text("decision IS NULL"), sqlite_where=sa.text("decision IS NULL")),
+)
