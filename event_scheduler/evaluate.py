@@ -50,6 +50,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from bridge.capture.leadership import holder_name
 from bridge.core.errors import MappingError
 from bridge.core.events import new_trace_id
 from bridge.core.phases import EventRouter
@@ -58,6 +59,7 @@ from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import autocommit
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many, skip_many
+from bridge.tasktable.review import Parking, park
 from bridge.tasktable.tables import TaskTable
 from event_scheduler.metrics import SchedulerMetrics
 from event_scheduler.queries import EvaluatorQueries
@@ -72,8 +74,17 @@ DUE_RECHECK = 0.02
 #: A ready task whose compare-and-set matched nothing is looked at again after this many seconds.
 LOST_RACE_RECHECK = 0.5
 
-#: Instances whose dispatch count the depth guard keeps in memory (least recently used dropped).
-DEPTH_CACHE = 100_000
+#: Instances whose dispatch count the dispatch-count guard keeps in memory, and tasks whose backpressure
+#: hold this process keeps (least recently used dropped).
+COUNT_CACHE = 100_000
+
+#: A task held back by ``max_in_flight`` is looked at again after this many seconds (a rate limit's hold
+#: waits exactly for its next token).
+IN_FLIGHT_RECHECK = 1.0
+
+#: A ready task parked in the review queue while it stays pending (a mapping without a review status) is
+#: looked at again after this many seconds: a release writes nothing to the task table, so no event comes.
+REVIEW_RECHECK = 10.0
 
 
 @dataclass(frozen=True)
@@ -191,8 +202,9 @@ def writable(tt: TaskTable, status: str) -> bool:
 class Evaluator:
     def __init__(self, engine: Engine, tables: TaskTable, router: EventRouter, settings: SchedulerSettings,
                  metrics: SchedulerMetrics, queries: EvaluatorQueries | None = None, *,
-                 pollbridge_retries: bool = True) -> None:
-        """``pollbridge_retries`` (``[legacy] retries``): whether pollbridge re-pends failed tasks and fails
+                 pollbridge_retries: bool = True, holder: str | None = None) -> None:
+        """``holder`` names this process in the holds and the review queue. ``pollbridge_retries``
+        (``[legacy] retries``): whether pollbridge re-pends failed tasks and fails
         timed-out ones on the dispatching route; without it no retry or timeout timer is armed."""
         self.engine = engine
         self.tables = tables
@@ -205,9 +217,11 @@ class Evaluator:
         tune_sessions(engine)
         self._single = autocommit(engine)
         self._pg = engine.dialect.name == "postgresql"
-        self._lock = threading.Lock()  # guards _buckets and _depths
+        self.holder = holder or holder_name()
+        self._lock = threading.Lock()  # guards _buckets, _counts and _held
         self._buckets: dict[str | None, TokenBucket] = {}
-        self._depths: OrderedDict[str, int] = OrderedDict()
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._held: OrderedDict[str, bool] = OrderedDict()
         # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
         self.queries = queries if queries is not None else EvaluatorQueries.build(tables, engine.dialect)
 
@@ -258,9 +272,10 @@ class Evaluator:
             # kept for finished instances stays bounded) or an unknown one.
             with self._lock:
                 for i in finished:
-                    self._depths.pop(i, None)
+                    self._counts.pop(i, None)
             result.unknown_instances = {i for i in finished if i not in present}
         ready: list[tuple[ReadyTask, str]] = []
+        facts: dict[str, tuple[int | None, int | None]] = {}  # task id -> (review state, depth)
         skips: list[Any] = []
         st = self.tables.statuses
         for r in rows:
@@ -275,7 +290,13 @@ class Evaluator:
             type_settings = self.settings.for_type(r.workflow_type)
             attempts = getattr(r, "attempts", None)
             status = st.logical(r.status)
-            if r.ready:
+            if r.ready and getattr(r, "review_state", None) == 1:
+                # Parked for review: no path dispatches it. A release of a task left pending writes nothing to
+                # the task table (no event), so the instance is looked at again now and then.
+                result.timers.append((datetime.now(UTC) + timedelta(seconds=REVIEW_RECHECK), "due",
+                                      str(r.instance_id), ()))
+            elif r.ready:
+                facts[str(r.task_id)] = (getattr(r, "review_state", None), getattr(r, "depth", None))
                 task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
                                  (attempts + 1) if attempts is not None else None, r.ready_at)
                 ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
@@ -299,7 +320,7 @@ class Evaluator:
                     result.skipped.extend(skip_many(wconn, self.tables, skips))
         ready.extend((task, "shadow") for task in self._taken(conn, rows, scopes))
         if ready:
-            self._act(conn, ready, trace_ids, result)
+            self._act(conn, ready, trace_ids, result, facts)
         return result
 
     def _taken(self, conn: Connection, rows: Sequence[Any], scopes: Mapping[str, Scope | None]) -> list[ReadyTask]:
@@ -327,24 +348,23 @@ class Evaluator:
                 for r in found]
 
     def _act(self, conn: Connection, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None],
-             result: Evaluation) -> None:
+             result: Evaluation, facts: Mapping[str, tuple[int | None, int | None]]) -> None:
         # A task found without an event (catch-up, timers) starts a trace of its own.
         traces = {t.instance_id: trace_ids.get(t.instance_id) or new_trace_id() for t, _ in ready}
+        to_decide = [task for task, route in ready if route == "shadow"]
+        candidates = [task for task, route in ready if route == "dispatch"]
+        # The guards first, so a parked task takes no token and no in-flight slot.
+        allowed = self._guards(conn, candidates, facts, result) if candidates else []
         to_dispatch: list[ReadyTask] = []
-        to_decide: list[ReadyTask] = []
+        holds: list[tuple[ReadyTask, str, float]] = []
         in_flight: dict[str | None, int] | None = None
-        for task, route in ready:
-            if route == "off":
-                continue
-            if route == "shadow":
-                to_decide.append(task)
-                continue
+        for task in allowed:
             ts = self.settings.for_type(task.workflow_type)
             if ts.max_in_flight:
                 if in_flight is None:  # only when a limit is configured
                     in_flight = {k: int(v) for k, v in self._read(conn, self.queries.in_flight).all()}
                 if in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
-                    self._hold(task, 1.0, result)
+                    holds.append((task, "in_flight", IN_FLIGHT_RECHECK))
                     continue
                 in_flight[task.workflow_type] = in_flight.get(task.workflow_type, 0) + 1
             if ts.rate > 0:
@@ -352,11 +372,11 @@ class Evaluator:
                     bucket = self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst))
                     wait = bucket.take()
                 if wait > 0:
-                    self._hold(task, wait, result)
+                    holds.append((task, "rate", wait))
                     continue
             to_dispatch.append(task)
-        if to_dispatch:
-            to_dispatch = self._depth_guard(conn, to_dispatch, result)
+        if holds:
+            self._hold(conn, holds, result)
         now = datetime.now(UTC)
         if to_dispatch:
             if self._pg:  # one statement (a CTE): atomic without BEGIN/COMMIT, on the caller's connection
@@ -367,7 +387,14 @@ class Evaluator:
             result.dispatched.extend(won)
             with self._lock:
                 for t in won:
-                    self._remember_depth(t.instance_id, self._depths.get(t.instance_id, 0) + 1)
+                    self._remember_count(t.instance_id, self._counts.get(t.instance_id, 0) + 1)
+                released = [str(t.task_id) for t in won if self._held.pop(str(t.task_id), False)]
+            if released:  # the holds this process kept end with the dispatch (the reconciler's evidence)
+                if self._pg:
+                    conn.execute(self.queries.release_holds, {"ids": released})
+                else:
+                    with self.engine.begin() as wconn:
+                        wconn.execute(self.queries.release_holds, {"ids": released})
             if len(won) < len(to_dispatch):
                 self.metrics.lost_races.inc(len(to_dispatch) - len(won))
                 # Usually another dispatcher took the task, and the second look finds nothing to do. But the
@@ -402,51 +429,115 @@ class Evaluator:
         with self._single.connect() as rconn:
             return rconn.execute(stmt, params or {}).freeze()()
 
-    def _depth_guard(self, conn: Connection, tasks: list[ReadyTask], result: Evaluation) -> list[ReadyTask]:
-        """Stop a workflow that keeps spawning work: past ``max_depth`` dispatches in one instance, its
-        ready tasks go to the mapping's review status (or, without one, are held back), with a metric
-        and a log line, for a person to look at."""
-        instances = sorted({t.instance_id for t in tasks})
+    def _limit(self, workflow_type: str | None, name: str) -> int:
+        """A guard's limit for a type: its flag's threshold (one value for every process, from the flag
+        store), else this process's ``[scheduler]`` setting."""
+        value = self.router.thresholds(workflow_type).get(name)
+        return int(value) if value is not None else int(getattr(self.settings, name))
+
+    def _guards(self, conn: Connection, tasks: list[ReadyTask], facts: Mapping[str, tuple[int | None, int | None]],
+                result: Evaluation) -> list[ReadyTask]:
+        """The depth guard and the dispatch-count guard, per task, before any dispatch: a task whose causation
+        depth is past ``max_depth``, or that would be its instance's dispatch number ``max_dispatches`` + 1
+        or later (counting the tasks of this batch in order, so a batch never overshoots), is parked in the
+        review queue (:mod:`bridge.tasktable.review`) for a person. A task a person released is exempt."""
+        exempt = {t.task_id for t in tasks if facts.get(str(t.task_id), (None, None))[0] == 2}
+        stops: list[Parking] = []
+        depths = self._depths_of(conn, [t for t in tasks if t.task_id not in exempt], facts)
+        for t in tasks:
+            depth = depths.get(str(t.task_id))
+            if t.task_id in exempt or depth is None:
+                continue
+            limit = self._limit(t.workflow_type, "max_depth")
+            if depth > limit:
+                stops.append(Parking(t.task_id, t.instance_id, t.workflow_type, str(t.task_key), t.attempt,
+                                     "depth", depth, limit))
+        stopped = {s.task_id for s in stops}
+        rest = [t for t in tasks if t.task_id not in stopped]
+        counts = self._dispatch_counts(conn, sorted({t.instance_id for t in rest}))
+        queued: dict[str, int] = defaultdict(int)
+        for t in rest:
+            number = counts.get(t.instance_id, 0) + queued[t.instance_id] + 1
+            limit = self._limit(t.workflow_type, "max_dispatches")
+            if number > limit and t.task_id not in exempt:
+                stops.append(Parking(t.task_id, t.instance_id, t.workflow_type, str(t.task_key), t.attempt,
+                                     "dispatches", number, limit))
+                continue
+            queued[t.instance_id] += 1
+        if not stops:
+            return tasks
+        with self.engine.begin() as wconn:
+            parked = park(wconn, self.tables, stops, self.holder)
+        # Logged and counted after the commit, so the metric never runs ahead of the database.
+        for stop in parked:
+            log.warning("%s guard: task %s (%s) of instance %s parked for review: %s", stop.guard, stop.task_id,
+                        stop.task_key, stop.instance_id, stop.reason)
+            self.metrics.parked.labels(workflow_type=str(stop.workflow_type), guard=stop.guard).inc()
+        by_id = {s.task_id for s in parked}
+        result.stopped.extend(t for t in tasks if t.task_id in by_id)
+        # A task parked by another process meanwhile, or no longer pending, is simply not dispatched here.
+        all_stopped = {s.task_id for s in stops}
+        return [t for t in tasks if t.task_id not in all_stopped]
+
+    def _depths_of(self, conn: Connection, tasks: list[ReadyTask],
+                   facts: Mapping[str, tuple[int | None, int | None]]) -> dict[str, int]:
+        """Each task's causation depth: the mapped ``depth`` column (read with the evaluation; NULL counts as
+        0), or the length of its ``spawned_by`` chain (one query per batch); nothing without either."""
+        if not tasks:
+            return {}
+        if self.tables.has("depth"):
+            return {str(t.task_id): int(facts.get(str(t.task_id), (None, None))[1] or 0) for t in tasks}
+        if self.queries.spawn_depth is None:
+            return {}
+        cap = max(self._limit(t.workflow_type, "max_depth") for t in tasks) + 1
+        ids = [t.task_id for t in tasks]
+        return {str(k): int(v) for k, v in self._read(conn, self.queries.spawn_depth, {"ids": ids, "cap": cap}).all()}
+
+    def _dispatch_counts(self, conn: Connection, instances: list[str]) -> dict[str, int]:
+        """Each instance's dispatches so far: counted once from the dispatch log, then kept up to date in
+        memory after each dispatch (forgotten when the instance finishes)."""
         with self._lock:
-            unknown = [i for i in instances if i not in self._depths]
+            unknown = [i for i in instances if i not in self._counts]
         counted: dict[str, int] = {}
-        if unknown:  # counted once per instance, then kept up to date in memory after each dispatch
-            counted = {str(k): int(v) for k, v in self._read(conn, self.queries.depth, {"ids": unknown}).all()}
+        if unknown:
+            counted = {str(k): int(v) for k, v in self._read(conn, self.queries.dispatch_count,
+                                                             {"ids": unknown}).all()}
         with self._lock:
             for i in unknown:
-                if i not in self._depths:  # the other thread may have counted it meanwhile
-                    self._remember_depth(i, counted.get(i, 0))
-            depth = {i: self._depths.get(i, counted.get(i, 0)) for i in instances}
-        over = {i for i in instances if depth.get(i, 0) >= self.settings.max_depth}
-        if not over:
-            return tasks
-        review = self.tables.statuses.review
-        stopped = [t for t in tasks if t.instance_id in over]
-        if review:
-            with self.engine.begin() as conn:
-                for t in stopped:
-                    conn.execute(self.queries.to_review(t.task_id))
-        # Logged and counted after the commit, so the metric never runs ahead of the database.
-        for instance_id in sorted(over):
-            log.warning("depth guard: instance %s has %d dispatches (max %d); its ready tasks %s",
-                        instance_id, depth[instance_id], self.settings.max_depth,
-                        f"went to {review!r} for review" if review else "are held back")
-            self.metrics.depth_stopped.inc()
-        result.stopped.extend(stopped)
-        return [t for t in tasks if t.instance_id not in over]
+                if i not in self._counts:  # the other thread may have counted it meanwhile
+                    self._remember_count(i, counted.get(i, 0))
+            return {i: self._counts.get(i, counted.get(i, 0)) for i in instances}
 
-    def _remember_depth(self, instance_id: str, count: int) -> None:
+    def _remember_count(self, instance_id: str, count: int) -> None:
         """Under ``_lock``."""
-        self._depths[instance_id] = count
-        self._depths.move_to_end(instance_id)
-        while len(self._depths) > DEPTH_CACHE:
-            self._depths.popitem(last=False)
+        self._counts[instance_id] = count
+        self._counts.move_to_end(instance_id)
+        while len(self._counts) > COUNT_CACHE:
+            self._counts.popitem(last=False)
 
-    def _hold(self, task: ReadyTask, wait: float, result: Evaluation) -> None:
-        """Backpressure: the task stays pending and its instance is looked at again after ``wait``."""
-        result.held_back.append(task)
-        self.metrics.held_back.labels(workflow_type=str(task.workflow_type)).inc()
-        result.timers.append((datetime.now(UTC) + timedelta(seconds=wait), "due", task.instance_id, ()))
+    def _hold(self, conn: Connection, holds: list[tuple[ReadyTask, str, float]], result: Evaluation) -> None:
+        """Backpressure: the tasks stay pending, their instances are looked at again after the wait, and the
+        holds are recorded in ``pollbridge_holds`` (one statement) so that the poller's fallback and sweep,
+        the reconciler and the guardian know the wait is legitimate while this process keeps renewing it."""
+        now = datetime.now(UTC)
+        rows = [{"task_id": str(t.task_id), "instance_id": t.instance_id, "workflow_type": t.workflow_type,
+                 "task_key": str(t.task_key), "attempt": t.attempt, "reason": reason,
+                 "until": now + timedelta(seconds=wait), "holder": self.holder} for t, reason, wait in holds]
+        with self.engine.begin() as wconn:
+            wconn.execute(self.queries.hold, rows)
+        new: dict[str | None, int] = defaultdict(int)
+        with self._lock:
+            for t, _, wait in holds:
+                if str(t.task_id) not in self._held:  # counted once per task and hold, not per look
+                    new[t.workflow_type] += 1
+                self._held[str(t.task_id)] = True
+                self._held.move_to_end(str(t.task_id))
+                while len(self._held) > COUNT_CACHE:
+                    self._held.popitem(last=False)
+                result.held_back.append(t)
+                result.timers.append((now + timedelta(seconds=wait), "due", t.instance_id, ()))
+        for workflow_type, n in new.items():
+            self.metrics.held_back.labels(workflow_type=str(workflow_type)).inc(n)
 
     def _observe(self, path: str, task: ReadyTask, now: datetime) -> None:
         ready_at = as_utc(task.ready_at)

@@ -34,10 +34,11 @@ class SchedulerMetrics:
         self.timers_fired = Counter("pollbridge_scheduler_timers_fired", "Timers that fired", ["kind"],
                                     registry=registry)
         self.held_back = Counter("pollbridge_scheduler_held_back",
-                                 "Ready tasks held back by a rate limit or in-flight cap", ["workflow_type"],
+                                 "Ready tasks held back by a rate limit or in-flight cap (once per task and hold, not per look)", ["workflow_type"],
                                  registry=registry)
-        self.depth_stopped = Counter("pollbridge_scheduler_depth_stopped",
-                                     "Instances stopped by the depth guard", registry=registry)
+        self.parked = Counter("pollbridge_scheduler_parked",
+                              "Ready tasks parked in the review queue by a guard (depth or dispatches)",
+                              ["workflow_type", "guard"], registry=registry)
         self.lag = Gauge("pollbridge_scheduler_lag", "Bus entries not yet delivered to the group", ["partition"],
                          registry=registry)
         self.partitions_owned = Gauge("pollbridge_scheduler_partitions_owned", "Partitions this process consumes",

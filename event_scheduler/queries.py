@@ -2,8 +2,8 @@
 
 :meth:`EvaluatorQueries.build` builds the statements an :class:`~event_scheduler.evaluate.Evaluator` runs
 for every batch once, from the :class:`~bridge.tasktable.tables.TaskTable` and the engine's dialect; the
-statements whose text depends on per-call values (the lost-race recheck, the depth guard's move to review,
-a shadow decision) are built by its methods. The evaluator only runs them: it builds no SQL itself. The
+statements whose text depends on per-call values (the lost-race recheck, a shadow decision) are built by its
+methods. The evaluator only runs them: it builds no SQL itself. The
 statements that write the task table for timers (a retry's re-pend, a running timeout) are here too
 (:func:`repend_statement`, :func:`time_out_statement`), run by the scheduler only on the dispatching route.
 
@@ -24,7 +24,7 @@ from sqlalchemy.engine import Dialect
 
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now, millis_between
-from bridge.db.schema import decisions, dispatch_log
+from bridge.db.schema import decisions, dispatch_log, holds, review
 from bridge.tasktable.dispatch import ReadyTask
 from bridge.tasktable.queries import type_of_row
 from bridge.tasktable.readiness import (
@@ -127,7 +127,7 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
     # An instance without a live task keeps one row (pb_rn = 1) as a marker: "finished, not unknown"
     # comes with the same query (an instance without any row is unknown).
     logical = [c for c in ("id", "instance_id", "task_key", "status", "depends_on", "due_at", "awaits_signal",
-                           "signal_received_at", "updated_at", "attempts", "max_attempts") if tt.has(c)]
+                           "signal_received_at", "updated_at", "attempts", "max_attempts", "depth") if tt.has(c)]
     if tt.instances is None and tt.has("workflow_type"):
         logical.append("workflow_type")
     # pb_in_scope: the live tasks this evaluation is about (see Scope); on SQLite every live task.
@@ -174,8 +174,13 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
         .where(sa.or_(base.c.pb_in_scope == 1, base.c.pb_rn == 1))
         .subquery("pb_eval")
     )
-    optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at")
+    optional = [tt.col(c, inner).label(c) for c in ("attempts", "max_attempts", "due_at", "updated_at", "depth")
                 if tt.has(c)]
+    # The review queue's word on a ready task (an index probe, only for the ready rows): 1 parked (no path
+    # dispatches it), 2 released by a person (exempt from the guards), NULL neither.
+    state = (sa.select(sa.func.min(sa.case((review.c.decision.is_(None), 1), (review.c.decision == "released", 2))))
+             .where(review.c.task_id == sa.cast(tt.col("id", inner), sa.String)).scalar_subquery())
+    optional.append(sa.case((inner.c.pb_ready == 1, state), else_=sa.null()).label("review_state"))
     return (
         sa.select(
             tt.col("id", inner).label("task_id"), tt.col("instance_id", inner).label("instance_id"),
@@ -197,26 +202,56 @@ def in_flight_statement(tt: TaskTable) -> sa.Select[Any]:
             .where(tt.status_in("dispatched", "running")).group_by(any_type))
 
 
-def depth_statement(pg: bool) -> sa.Select[Any]:
-    """The depth guard: rows ``(instance_id, count)`` of the dispatches logged per instance, for the
+def dispatch_count_statement(pg: bool) -> sa.Select[Any]:
+    """The dispatch-count guard: rows ``(instance_id, count)`` of the dispatches logged per instance, for the
     instances in the ``ids`` parameter (read once per instance, then counted in memory)."""
     return (sa.select(dispatch_log.c.instance_id, sa.func.count())
             .where(in_ids(dispatch_log.c.instance_id, pg))
             .group_by(dispatch_log.c.instance_id))
 
 
+def spawn_depth_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
+    """The depth guard with ``mapping.columns.spawned_by``: rows ``(task_id, depth)`` for the task ids in the
+    ``ids`` parameter, the depth being the length of the chain of spawning tasks, followed at most ``cap``
+    links (a parameter: ``max_depth`` + 1, so a cycle or a very deep chain costs a bounded walk)."""
+    t = tt.tasks
+    start = (sa.select(tt.col("id").label("task_id"), tt.col("spawned_by").label("parent"),
+                       sa.literal(0, sa.Integer).label("depth"))
+             .where(in_ids(tt.col("id"), pg)).cte("pb_chain", recursive=True))
+    up = t.alias("pb_up")
+    chain = start.union_all(
+        sa.select(start.c.task_id, tt.col("spawned_by", up), start.c.depth + 1)
+        .select_from(start.join(up, tt.col("id", up) == start.c.parent))
+        .where(start.c.depth < sa.bindparam("cap", type_=sa.Integer)))
+    # A link whose spawning row is gone still counts: the task was spawned, whatever happened to its parent.
+    counted = sa.case((chain.c.parent.is_(None), chain.c.depth), else_=chain.c.depth + 1)
+    return sa.select(chain.c.task_id, sa.func.max(counted).label("depth")).group_by(chain.c.task_id)
+
+
+def hold_statement(dialect_name: str) -> sa.Insert:
+    """Record backpressure holds (executemany rows ``task_id, instance_id, workflow_type, task_key, attempt,
+    reason, until, holder``): a new hold starts at the database's now, a renewed one keeps its start and gets
+    the new ``until`` (a hold of an earlier attempt, or one already released, starts again)."""
+    insert_fn = postgresql.insert if dialect_name == "postgresql" else sqlite.insert
+    stmt = insert_fn(holds).values(held_at=db_now(dialect_name))
+    fresh = sa.or_(holds.c.released_at.is_not(None),
+                   holds.c.attempt.is_distinct_from(stmt.excluded.attempt))
+    return stmt.on_conflict_do_update(index_elements=[holds.c.task_id], set_={
+        "held_at": sa.case((fresh, stmt.excluded.held_at), else_=holds.c.held_at),
+        "instance_id": stmt.excluded.instance_id, "workflow_type": stmt.excluded.workflow_type,
+        "task_key": stmt.excluded.task_key, "attempt": stmt.excluded.attempt, "reason": stmt.excluded.reason,
+        "until": stmt.excluded.until, "holder": stmt.excluded.holder, "released_at": sa.null()})
+
+
+def release_holds_statement(dialect_name: str, pg: bool) -> sa.Update:
+    """The holds of the tasks in the ``ids`` parameter (task ids as text) end: their holder dispatched them."""
+    return (holds.update().where(in_ids(holds.c.task_id, pg), holds.c.released_at.is_(None))
+            .values(released_at=db_now(dialect_name)))
+
+
 def still_pending_statement(tt: TaskTable, task_ids: Sequence[Any]) -> sa.Select[Any]:
     """After a lost race: the ids among ``task_ids`` still pending (their instances get a recheck timer)."""
     return sa.select(tt.col("id")).where(tt.col("id").in_(list(task_ids)), tt.status_in("pending"))
-
-
-def review_statement(tt: TaskTable, task_id: Any) -> sa.Update:
-    """The depth guard stops a task: pending → the mapping's review status (a compare-and-set on pending),
-    with ``updated_at`` stamped by the database where mapped. Only for a mapping with a review status."""
-    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write("review")}
-    if tt.has("updated_at"):
-        values[tt.mapping.columns.updated_at or ""] = db_now(tt.dialect_name)
-    return tt.tasks.update().where(tt.col("id") == task_id, tt.status_in("pending")).values(values)
 
 
 def decision_statement(dialect_name: str, task: ReadyTask, trace_id: str | None) -> sa.Insert:
@@ -405,8 +440,14 @@ class EvaluatorQueries:
     evaluation_run: DriverStatement
     #: :func:`in_flight_statement`.
     in_flight: sa.Select[Any]
-    #: :func:`depth_statement`.
-    depth: sa.Select[Any]
+    #: :func:`dispatch_count_statement`.
+    dispatch_count: sa.Select[Any]
+    #: :func:`spawn_depth_statement` (a mapping with ``columns.spawned_by`` only).
+    spawn_depth: sa.Select[Any] | None
+    #: :func:`hold_statement`.
+    hold: sa.Insert
+    #: :func:`release_holds_statement`.
+    release_holds: sa.Update
     #: :func:`taken_statement` (shadow phases only).
     taken: sa.Select[Any]
 
@@ -416,7 +457,10 @@ class EvaluatorQueries:
         evaluation = evaluation_statement(tt, pg)
         return cls(tables=tt, dialect_name=dialect.name, evaluation=evaluation,
                    evaluation_run=DriverStatement(evaluation, dialect), in_flight=in_flight_statement(tt),
-                   depth=depth_statement(pg), taken=taken_statement(tt, pg))
+                   dispatch_count=dispatch_count_statement(pg),
+                   spawn_depth=spawn_depth_statement(tt, pg) if tt.has("spawned_by") else None,
+                   hold=hold_statement(dialect.name), release_holds=release_holds_statement(dialect.name, pg),
+                   taken=taken_statement(tt, pg))
 
     @property
     def pg(self) -> bool:
@@ -425,10 +469,6 @@ class EvaluatorQueries:
     def still_pending(self, task_ids: Sequence[Any]) -> sa.Select[Any]:
         """:func:`still_pending_statement`."""
         return still_pending_statement(self.tables, task_ids)
-
-    def to_review(self, task_id: Any) -> sa.Update:
-        """:func:`review_statement`."""
-        return review_statement(self.tables, task_id)
 
     def decision(self, task: ReadyTask, trace_id: str | None) -> sa.Insert:
         """:func:`decision_statement`."""

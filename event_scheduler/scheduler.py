@@ -111,7 +111,7 @@ class EventScheduler:
         self.holder = holder or holder_name()
         self.metrics = SchedulerMetrics(registry if registry is not None else CollectorRegistry())
         self.evaluator = Evaluator(engine, tables, router, settings, self.metrics,
-                                   pollbridge_retries=pollbridge_retries)
+                                   pollbridge_retries=pollbridge_retries, holder=self.holder)
         self.leases = lease_store(engine, bus, self.holder, settings.lease_ttl)
         self.timers = TimerQueue(self._fire)
         self._recent: OrderedDict[str, None] = OrderedDict()

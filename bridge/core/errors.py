@@ -51,6 +51,13 @@ class FlagError(PollbridgeError):
     exit_code = 2
 
 
+class ReviewError(PollbridgeError):
+    """A review-queue command with bad input (an id that is not a task id, no reason for a rejection).
+    Nothing is changed; exit 2."""
+
+    exit_code = 2
+
+
 class GateRefused(PollbridgeError):
     """A promotion the reconciler's evidence does not support. Nothing is changed; exit 1.
 

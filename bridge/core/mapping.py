@@ -163,6 +163,12 @@ class TaskColumns:
     #: When the row's latest change committed (a view's ``pg_xact_commit_timestamp(xmin)``, say): the task's
     #: ready time is floored at it, for engines that stamp ``completed_at`` before they commit.
     committed_at: str | None = None
+    #: The task's causation depth as the platform stamps it: 0 for a task of the workflow's definition, d + 1
+    #: for a task spawned by a task of depth d (the depth guard parks a task past ``max_depth``).
+    depth: str | None = None
+    #: Or the row id of the task whose run spawned this one (NULL for the definition's tasks): pollbridge then
+    #: derives the depth by following the chain, at most ``max_depth`` + 1 links.
+    spawned_by: str | None = None
 
     REQUIRED = ("id", "instance_id", "task_key", "status")
     #: Logical keys that may be made of several columns (``instance_id = ["dag_id", "run_id"]``).
@@ -184,6 +190,9 @@ class TaskColumns:
                 object.__setattr__(
                     self, f.name, validate_optional_identifier(value, f"mapping.columns.{f.name}")
                 )
+        if self.depth is not None and self.spawned_by is not None:
+            raise MappingError("map either mapping.columns.depth (the depth the platform stamps) or "
+                               "mapping.columns.spawned_by (the spawning task's id), not both")
         if (self.awaits_signal is None) != (self.signal_received_at is None):
             raise MappingError(
                 "mapping.columns.awaits_signal and mapping.columns.signal_received_at must be "

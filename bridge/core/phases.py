@@ -29,6 +29,7 @@ phase change within one poll interval.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal, Protocol
@@ -109,6 +110,11 @@ class EventRouter(Protocol):
         """The event path's route for one task of ``workflow_type`` in ``instance_id``."""
         ...
 
+    def thresholds(self, workflow_type: str | None) -> Mapping[str, float]:
+        """The type's threshold overrides from its flag (the guards' limits among them), shared by every
+        process through the flag store; empty when there are none."""
+        ...
+
 
 class FixedRouter:
     """Every type in one phase: for tests, benchmarks and ``scheduler run --phase``."""
@@ -120,3 +126,6 @@ class FixedRouter:
 
     def event_route(self, workflow_type: str | None, instance_id: str) -> EventRoute:
         return ROUTE_OF_PHASE[self.phase]
+
+    def thresholds(self, workflow_type: str | None) -> Mapping[str, float]:
+        return {}

@@ -221,7 +221,11 @@ class SchedulerSettings:
     block: float = 0.5
     lease_ttl: float = 10.0
     max_deliveries: int = 5
-    max_depth: int = 10_000
+    #: The depth guard: a task whose causation depth (``mapping.columns.depth`` or ``spawned_by``) is past this
+    #: is parked for review instead of dispatched. Inert without a depth column in the mapping.
+    max_depth: int = 50
+    #: The dispatch-count guard: a task whose instance already had this many dispatches is parked for review.
+    max_dispatches: int = 10_000
     claim_interval: float = 5.0
     #: A phase for every type, overriding the flags (benchmarks, tests); ``None``: the flags decide per type.
     phase: str | None = None
@@ -229,7 +233,7 @@ class SchedulerSettings:
     types: tuple[tuple[str, TypeSettings], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_deliveries", "max_depth"):
+        for name in ("batch_size", "max_deliveries", "max_depth", "max_dispatches"):
             _positive(getattr(self, name), f"scheduler.{name}", integer=True)
         for name in ("block", "lease_ttl", "claim_interval"):
             _positive(getattr(self, name), f"scheduler.{name}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -127,6 +127,9 @@ class FlagRouter:
 
     def event_route(self, workflow_type: str | None, instance_id: str) -> EventRoute:
         return self.flag(workflow_type).event_route(instance_id)
+
+    def thresholds(self, workflow_type: str | None) -> Mapping[str, float]:
+        return self.flag(workflow_type).thresholds
 
     def poller_should_handle(self, workflow_type: str | None, instance_id: str, ready_since: datetime | None,
                              now: datetime) -> bool:

@@ -29,7 +29,10 @@ from bridge.db.schema import flag_audit, flags
 
 TYPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}")
 #: Per-type overrides a flag may carry (``flags set --threshold NAME=VALUE``): gate and guardian settings.
-THRESHOLDS = ("min_tasks", "miss_budget", "objective", "tolerance", "max_outbox_age", "max_lag", "max_miss_rate")
+THRESHOLDS = ("min_tasks", "miss_budget", "objective", "tolerance", "max_outbox_age", "max_lag", "max_miss_rate",
+              "max_depth", "max_dispatches")
+#: Thresholds that are whole numbers (the guards' limits, shared by every scheduler process through the flag).
+INTEGER_THRESHOLDS = ("max_depth", "max_dispatches")
 ACTIONS = ("set", "rollback", "guardian")
 #: PostgreSQL: every flag change NOTIFYs this channel (payload: the workflow type) when it commits.
 FLAGS_CHANNEL = "pollbridge_flags"
@@ -103,6 +106,8 @@ def validate_thresholds(raw: Mapping[str, Any]) -> dict[str, float]:
             raise FlagError(f"unknown threshold {name!r}; expected some of: {', '.join(THRESHOLDS)}")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise FlagError(f"threshold {name} must be a positive number, got {value!r}")
+        if name in INTEGER_THRESHOLDS and value != int(value):
+            raise FlagError(f"threshold {name} must be a whole number, got {value!r}")
         if name in ("miss_budget", "max_miss_rate") and value >= 1:
             raise FlagError(f"threshold {name} is a rate and must be below 1, got {value!r}")
         out[name] = float(value)

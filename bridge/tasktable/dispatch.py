@@ -5,7 +5,8 @@ the whole readiness condition. Two dispatchers racing for the same task therefor
 win (the second finds the status changed), and a task whose readiness stopped holding between a
 scan and its dispatch is not dispatched (invariant 2 is checked at the moment of the write, not
 at the moment of the read). The winner records the dispatch in ``pollbridge_dispatch_log`` in
-the same transaction, so the log and the task table never disagree.
+the same transaction, so the log and the task table never disagree. A task parked in the review queue
+(:func:`bridge.tasktable.review.parked`) is never dispatched, by any path, until a person releases it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now
 from bridge.db.schema import dispatch_log
 from bridge.tasktable.readiness import ready_predicate, skip_predicate
+from bridge.tasktable.review import parked
 from bridge.tasktable.tables import TaskTable
 
 Path = Literal["poller", "events", "fallback"]
@@ -127,7 +129,7 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
     values = dispatch_values(tt, now)
     stmt = (
         t.update()
-        .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t))
+        .where(tt.col("id").in_(list(by_id)), ready_predicate(tt, t), sa.not_(parked(tt.col("id"))))
         .values(values)
         .returning(tt.col("id"))
     )
@@ -157,7 +159,7 @@ def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> Drive
     ids = sa.bindparam("pb_ids", type_=postgresql.ARRAY(tt.col("id").type))
     won = (
         t.update()
-        .where(tt.col("id") == sa.any_(ids), ready_predicate(tt, t))
+        .where(tt.col("id") == sa.any_(ids), ready_predicate(tt, t), sa.not_(parked(tt.col("id"))))
         .values(values)
         .returning(tt.col("id").label("id"))
         .cte("pb_won")
@@ -219,7 +221,7 @@ def dispatch(conn: Connection, tt: TaskTable, task: ReadyTask, path: Path, trace
     values = dispatch_values(tt, now)
     stmt = (
         t.update()
-        .where(tt.col("id") == task.task_id, ready_predicate(tt, t))
+        .where(tt.col("id") == task.task_id, ready_predicate(tt, t), sa.not_(parked(tt.col("id"))))
         .values(values)
     )
     if conn.execute(stmt).rowcount != 1:

@@ -340,8 +340,8 @@ def test_two_schedulers_split_the_partitions(env: Env, stack: Stack) -> None:
     assert a.leases.owned | b.leases.owned == set(range(4))
 
 
-def test_depth_guard_parks_a_runaway_instance_for_review(env: Env, stack: Stack) -> None:
-    settings = SchedulerSettings(block=0.1, lease_ttl=2.0, max_depth=3)
+def test_dispatch_count_guard_parks_a_runaway_instance_for_review(env: Env, stack: Stack) -> None:
+    settings = SchedulerSettings(block=0.1, lease_ttl=2.0, max_dispatches=3)
     stack.relay()
     sched = stack.scheduler("cutover", settings=settings)
     stack.workers()
@@ -349,8 +349,9 @@ def test_depth_guard_parks_a_runaway_instance_for_review(env: Env, stack: Stack)
     with env.engine.begin() as conn:
         seed(conn, env.tables, [WorkflowSpec("runaway", "orders", chain)])
     t = env.tables.tasks
-    wait_for(lambda: sched.metrics.value("pollbridge_scheduler_depth_stopped_total") >= 1, 30,
-             what="the depth guard to stop the instance")
+    wait_for(lambda: sched.metrics.value("pollbridge_scheduler_parked_total",
+                                         {"workflow_type": "orders", "guard": "dispatches"}) >= 1, 30,
+             what="the dispatch-count guard to stop the instance")
     with env.engine.connect() as conn:
         statuses = dict(conn.execute(sa.select(t.c.task_key, t.c.status).where(t.c.instance_id == "runaway")).all())
     assert [statuses[f"t{i}"] for i in range(3)] == ["completed"] * 3
