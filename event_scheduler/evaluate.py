@@ -40,7 +40,6 @@ import json
 import logging
 import random
 import threading
-import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from bridge.capture.leadership import holder_name
 from bridge.core.errors import MappingError
 from bridge.core.events import new_trace_id
 from bridge.core.phases import EventRouter
+from bridge.core.ratelimit import TokenBucket
 from bridge.core.settings import SchedulerSettings, TypeSettings
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
@@ -140,23 +140,6 @@ def timeout_timer(settings: TypeSettings, task_id: object, running_since: Any, w
     since = as_utc(running_since) or datetime.now(UTC)
     return (since + timedelta(seconds=settings.running_timeout), "timeout", str(task_id),
             (task_id, workflow_type, instance_id))
-
-
-class TokenBucket:
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, float(burst)
-        self.tokens = float(burst)
-        self.updated = time.monotonic()
-
-    def take(self) -> float:
-        """0 if a token was taken, else the seconds until one is available."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
 
 
 #: Session settings for the scheduler's PostgreSQL connections (see :func:`_session_settings`).

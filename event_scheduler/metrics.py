@@ -34,7 +34,8 @@ class SchedulerMetrics:
         self.timers_fired = Counter("pollbridge_scheduler_timers_fired", "Timers that fired", ["kind"],
                                     registry=registry)
         self.held_back = Counter("pollbridge_scheduler_held_back",
-                                 "Ready tasks held back by a rate limit or in-flight cap (once per task and hold, not per look)", ["workflow_type"],
+                                 "Ready tasks held back by a rate limit or in-flight cap (once per task and hold, "
+                                 "not per look)", ["workflow_type"],
                                  registry=registry)
         self.parked = Counter("pollbridge_scheduler_parked",
                               "Ready tasks parked in the review queue by a guard (depth or dispatches)",

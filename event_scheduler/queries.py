@@ -26,7 +26,7 @@ from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now, millis_between
 from bridge.db.schema import decisions, dispatch_log, holds, review
 from bridge.tasktable.dispatch import ReadyTask
-from bridge.tasktable.queries import type_of_row
+from bridge.tasktable.queries import in_flight_statement, type_of_row
 from bridge.tasktable.readiness import (
     greatest,
     latest_dependency_completion,
@@ -192,14 +192,6 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
         )
         .order_by(tt.col("id", inner))
     )
-
-
-def in_flight_statement(tt: TaskTable) -> sa.Select[Any]:
-    """Backpressure (``max_in_flight``): rows ``(workflow_type, count)`` of the dispatched and running
-    tasks per workflow type. Read only when a type has a limit, once per dispatch round."""
-    all_src, any_type = tt.workflow_type_source(tt.tasks)
-    return (sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src)
-            .where(tt.status_in("dispatched", "running")).group_by(any_type))
 
 
 def dispatch_count_statement(pg: bool) -> sa.Select[Any]:

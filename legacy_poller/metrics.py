@@ -32,6 +32,10 @@ class PollerMetrics:
             "pollbridge_poller_timeouts", "Tasks running longer than [poller] running_timeout, failed",
             registry=registry,
         )
+        self.held_back = Counter(
+            "pollbridge_poller_held_back",
+            "Ready tasks the poller left for a later scan because their type's rate or in-flight cap was reached",
+            ["workflow_type"], registry=registry)
         self.sweeps = Counter("pollbridge_poller_sweeps", "Safety sweeps over cutover types", registry=registry)
         self.fallback_misses = Counter(
             "pollbridge_fallback_misses",

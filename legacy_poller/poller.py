@@ -28,8 +28,11 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from bridge.core.phases import Flag
+from bridge.core.ratelimit import TokenBucket
+from bridge.core.settings import SchedulerSettings
 from bridge.flags.router import FlagRouter
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many
+from bridge.tasktable.queries import in_flight_statement
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.metrics import PollerMetrics
 from legacy_poller.queries import repend_failed_statement, scan_statement, time_out_running_statement
@@ -61,10 +64,15 @@ class LegacyPoller:
         retry_failed: bool = True,
         router: FlagRouter | None = None,
         running_timeout: float = 0.0,
+        limits: SchedulerSettings | None = None,
     ) -> None:
         """``running_timeout`` (``[poller] running_timeout``): fail a task of the poller's share running longer
         than that many seconds, as the platform's own scheduler does with a task whose worker died (0: never;
-        needs ``updated_at``). The event path times out the tasks it owns itself."""
+        needs ``updated_at``). The event path times out the tasks it owns itself.
+
+        ``limits``: the per-type ``rate``/``burst`` and ``max_in_flight`` of ``[scheduler.types.T]``, applied to
+        the poller's own dispatches too (every path: its share, the fallback, the sweep), so that a type's
+        backpressure holds whichever path dispatches. A task over a limit stays pending for a later scan."""
         self.engine = engine
         self.tables = tables
         self.batch_size = batch_size
@@ -73,6 +81,9 @@ class LegacyPoller:
         self.router = router
         self.running_timeout = running_timeout if tables.has("updated_at") else 0.0
         self._scans: dict[tuple[str, frozenset[Flag]], sa.Select[Any] | None] = {}
+        self.limits = limits
+        self._buckets: dict[str | None, TokenBucket] = {}
+        self._in_flight = in_flight_statement(tables)
 
     def _flags(self) -> dict[str, Flag]:
         if self.router is None:
@@ -123,6 +134,7 @@ class LegacyPoller:
                 if r.task_id is not None
             ]
             ready_total += len(ready)
+            ready, limited = self._within_limits(ready)
             missed = [task for task in ready if mode == "sweep" or self._is_fallback(flags, task)]
             regular = [task for task in ready if not (mode == "sweep" or self._is_fallback(flags, task))]
             won: list[ReadyTask] = []
@@ -142,8 +154,8 @@ class LegacyPoller:
                     self.metrics.fallback_misses.labels(workflow_type=task.workflow_type or "").inc()
                 log.warning("%s dispatched %d task(s) the event path missed (path fallback): %s", mode,
                             len(won_fallback), ", ".join(sorted({str(t.workflow_type) for t in won_fallback})))
-            if len(ready) < self.batch_size:
-                break
+            if len(ready) + limited < self.batch_size or limited:
+                break  # a full batch again, or the limits left tasks that the next scan finds first
         seconds = time.perf_counter() - started
         self.metrics.rows_examined.inc(examined)
         self.metrics.scan_seconds.observe(seconds)
@@ -151,6 +163,32 @@ class LegacyPoller:
         if dispatched:
             log.debug("%s dispatched %d of %d ready (%d pending examined)", mode, dispatched, ready_total, examined)
         return ScanResult(examined, ready_total, dispatched, repended, seconds, fallback)
+
+    def _within_limits(self, ready: list[ReadyTask]) -> tuple[list[ReadyTask], int]:
+        """The ready tasks the types' limits let the poller dispatch now, and how many they left."""
+        if self.limits is None or not ready:
+            return ready, 0
+        limits = self.limits
+        capped = {t.workflow_type for t in ready if limits.for_type(t.workflow_type).max_in_flight}
+        in_flight: dict[str | None, int] = {}
+        if capped:
+            with self.engine.connect() as conn:
+                in_flight = {k: int(v) for k, v in conn.execute(self._in_flight).all()}
+        out: list[ReadyTask] = []
+        left: dict[str | None, int] = {}
+        for task in ready:
+            ts = limits.for_type(task.workflow_type)
+            if ts.max_in_flight and in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
+                left[task.workflow_type] = left.get(task.workflow_type, 0) + 1
+                continue
+            if ts.rate > 0 and self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst)).take():
+                left[task.workflow_type] = left.get(task.workflow_type, 0) + 1
+                continue
+            in_flight[task.workflow_type] = in_flight.get(task.workflow_type, 0) + 1
+            out.append(task)
+        for workflow_type, n in left.items():
+            self.metrics.held_back.labels(workflow_type=workflow_type or "").inc(n)
+        return out, sum(left.values())
 
     @staticmethod
     def _is_fallback(flags: dict[str, Flag], task: ReadyTask) -> bool:

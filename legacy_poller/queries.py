@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from bridge.core.phases import Flag
 from bridge.db.engine import db_ago, db_now
 from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.review import parked
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.routing import owned_by_events, scan_filter, sweep_filter
 
@@ -32,7 +33,11 @@ def scan_statement(tt: TaskTable, mode: str, flags: Mapping[str, Flag], batch_si
     # The attempt a dispatch starts: attempts + 1 when a claim increments the counter (the reference);
     # the incremented value itself is written by the dispatch when the dispatch moves it (Airflow).
     attempt = (tt.col("attempts") + 1) if tt.has("attempts") else sa.null()
-    where = ready_predicate(tt, t) if routed is None else sa.and_(ready_predicate(tt, t), routed)
+    # A task parked in the review queue waits for a person, whatever the phase (the dispatch's compare-and-set
+    # would refuse it anyway; left in the scan it would fill the batch on every poll).
+    where = sa.and_(ready_predicate(tt, t), sa.not_(parked(tt.col("id"))))
+    if routed is not None:
+        where = sa.and_(where, routed)
     ready = (
         sa.select(
             tt.col("id").label("task_id"),

@@ -134,7 +134,8 @@ class Components:
     def poller(self, engine: Engine, tables: TaskTable, router: FlagRouter | None, *,
                registry: CollectorRegistry | None = None) -> LegacyPoller:
         return LegacyPoller(engine, tables, batch_size=self.settings.poller.batch_size, registry=registry,
-                            router=router, running_timeout=self.settings.poller.running_timeout)
+                            router=router, running_timeout=self.settings.poller.running_timeout,
+                            limits=self.settings.scheduler)
 
     def guardian(self, engine: Engine, *, bus: EventBus | None, store: FlagStore | None = None,
                  registry: CollectorRegistry | None = None, bus_label: str | None = None,

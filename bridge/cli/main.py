@@ -39,6 +39,7 @@ from bridge.cli.guardian import guardian
 from bridge.cli.observe import explain, metrics, status
 from bridge.cli.preflight import preflight
 from bridge.cli.reconcile import reconcile
+from bridge.cli.review import review
 from bridge.cli.runall import run_all
 from bridge.cli.serve import serve
 from bridge.core.errors import first_line
@@ -791,7 +792,8 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
 
 
 # The subcommands defined in their own modules (each imports bridge.cli.common, never this module).
-for _command in (flags, rollback_cmd, reconcile, run_all, guardian, explain, status, metrics, preflight, serve):
+for _command in (flags, rollback_cmd, reconcile, review, run_all, guardian, explain, status, metrics, preflight,
+                 serve):
     cli.add_command(_command)
 
 

@@ -27,3 +27,11 @@ def type_of_row(tt: TaskTable, t: sa.FromClause) -> sa.ColumnElement[Any]:
         .where(inst.c[tt.mapping.instances.id] == tt.col("instance_id", t))
         .scalar_subquery()
     )
+
+
+def in_flight_statement(tt: TaskTable) -> sa.Select[Any]:
+    """Backpressure (``max_in_flight``): rows ``(workflow_type, count)`` of the dispatched and running
+    tasks per workflow type. Read only when a type has a limit, once per dispatch round."""
+    all_src, any_type = tt.workflow_type_source(tt.tasks)
+    return (sa.select(any_type.label("workflow_type"), sa.func.count()).select_from(all_src)
+            .where(tt.status_in("dispatched", "running")).group_by(any_type))

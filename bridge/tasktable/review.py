@@ -13,9 +13,9 @@ A person decides with ``pollbridge review``:
 * **release**: the row is closed as ``released`` (actor, time, reason); a task that was moved to ``review``
   goes back to pending. A released task is exempt from the guards from then on (its retries included), so
   it is not parked again at once; a task it spawns is judged on its own depth.
-* **reject**: the row is closed as ``rejected`` and the task moves to the mapping's failed status, with its
-  completion time stamped where mapped; the scheduler's retries then apply as to any failure (a rejected
-  task that should never run again needs ``max_attempts`` reached, or the platform's own cancel).
+* **reject**: the row is closed as ``rejected`` and the task moves to the mapping's failed status for good,
+  as a rejection signal does: its attempts set to its maximum where both are mapped (no retry brings it back),
+  its completion time stamped where mapped.
 
 Each decision is one transaction: the row is closed only if it was still open and the task row is moved
 only if it is still where parking left it, so two people deciding at once cannot both win, and a task
@@ -169,6 +169,7 @@ def decide(conn: Connection, tt: TaskTable, task_ids: Sequence[str], decision: D
     """Release or reject the parked tasks ``task_ids`` inside the caller's transaction (see the module doc)."""
     out: list[Outcome] = []
     now = db_now(tt.dialect_name)
+    keys = {task_id: _task_id_value(tt, task_id) for task_id in task_ids}  # bad input: nothing changed
     for task_id in task_ids:
         row = conn.execute(sa.select(review).where(review.c.task_id == task_id, review.c.decision.is_(None))
                            ).first()
@@ -179,7 +180,7 @@ def decide(conn: Connection, tt: TaskTable, task_ids: Sequence[str], decision: D
                       else "not in the review queue")
             out.append(Outcome(task_id, False, detail))
             continue
-        key = _task_id_value(tt, task_id)
+        key = keys[task_id]
         values: dict[str, Any] = {}
         if decision == "released":
             source = "review" if row.moved else None
@@ -190,6 +191,8 @@ def decide(conn: Connection, tt: TaskTable, task_ids: Sequence[str], decision: D
         if source is not None:
             values[tt.mapping.columns.status] = tt.statuses.write(target)
             stamped = ("updated_at",) if target == "pending" else ("completed_at", "updated_at")
+            if target == "failed" and tt.has("attempts") and tt.has("max_attempts"):
+                values[tt.mapping.columns.attempts or ""] = tt.col("max_attempts")
             for logical in stamped:
                 if tt.has(logical):
                     values[getattr(tt.mapping.columns, logical)] = now

@@ -75,7 +75,8 @@ SHARED_DB_PARAMS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postg
 LEASE_STORE_PARAMS = [*SHARED_DB_PARAMS, pytest.param("redis", marks=[pytest.mark.postgres, pytest.mark.redis])]
 #: What ``shared_engine`` empties, the outbox last: deleting tasks fires the capture trigger.
 SHARED_DB_RESET = ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_decisions",
-                   "pollbridge_flags", "pollbridge_flag_audit", "pollbridge_outbox")
+                   "pollbridge_flags", "pollbridge_flag_audit", "pollbridge_holds", "pollbridge_review",
+                   "pollbridge_outbox")
 
 
 def reset_shared(engine: Engine) -> Engine:

@@ -1,0 +1,273 @@
+"""The depth guard as the seeds define it, the dispatch-count guard, and the review queue (issue 22).
+
+Depth is the causation depth of a task (``mapping.columns.depth``, or the chain of ``spawned_by``), checked per
+task before every dispatch; the dispatch count is checked per task within a batch. Parked tasks form a
+review queue shared through the database: no path dispatches them until ``pollbridge review release``;
+``reject`` fails them for good. SQLite and PostgreSQL; the evaluator is driven directly (no relay, no bus),
+so every assertion is about one evaluation's decisions.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
+
+from bridge.core.mapping import StatusValues, TaskColumns, TaskTableMapping
+from bridge.core.phases import FixedRouter
+from bridge.core.settings import SchedulerSettings
+from bridge.db.schema import dispatch_log, review
+from bridge.flags.router import FlagRouter
+from bridge.flags.store import FlagStore
+from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable import review as queue
+from bridge.tasktable.tables import TaskTable, reflect_tables
+from event_scheduler.evaluate import Evaluator
+from event_scheduler.metrics import SchedulerMetrics
+from legacy_poller.poller import LegacyPoller
+from tests.support import SHARED_DB_PARAMS, shared_engine
+
+
+@pytest.fixture(params=SHARED_DB_PARAMS)
+def engine(request: pytest.FixtureRequest) -> Engine:
+    engine = shared_engine(request)
+    with engine.begin() as conn:
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("tasks")}
+        for name in ("depth", "spawned_by"):
+            if name not in columns:
+                conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {name} INTEGER"))
+    return engine
+
+
+def _tables(engine: Engine, *, source: str = "depth", review_status: bool = True) -> TaskTable:
+    columns = replace(TaskColumns(), **{source: source})
+    statuses = StatusValues() if review_status else StatusValues(review="")
+    return reflect_tables(engine, TaskTableMapping(columns=columns, statuses=statuses))
+
+
+def _evaluator(engine: Engine, tt: TaskTable, router: Any = None, **limits: int) -> Evaluator:
+    return Evaluator(engine, tt, router or FixedRouter("cutover"), SchedulerSettings(**limits),
+                     SchedulerMetrics(CollectorRegistry()), holder="test-scheduler")
+
+
+def _seed(engine: Engine, tt: TaskTable, instance: str, keys: Sequence[str],
+          **column: dict[str, Any]) -> dict[str, int]:
+    """One instance of independent tasks ``keys``; ``column`` sets a column per key (depth={"b": 3}).
+    Returns key -> row id."""
+    with engine.begin() as conn:
+        seed(conn, tt, [WorkflowSpec(instance, "agents", tuple(TaskSpec(k) for k in keys))])
+        t = tt.tasks
+        ids = {str(k): int(i) for k, i in conn.execute(sa.select(t.c.task_key, t.c.id)
+                                                        .where(t.c.instance_id == instance))}
+        for name, values in column.items():
+            for key, value in values.items():
+                conn.execute(t.update().where(t.c.id == ids[key]).values({name: value}))
+    return ids
+
+
+def _status(engine: Engine, tt: TaskTable, instance: str) -> dict[str, str]:
+    t = tt.tasks
+    with engine.connect() as conn:
+        return {str(k): str(s) for k, s in conn.execute(sa.select(t.c.task_key, t.c.status)
+                                                        .where(t.c.instance_id == instance))}
+
+
+def _queue(engine: Engine) -> list[queue.ReviewEntry]:
+    with engine.connect() as conn:
+        return queue.entries(conn, include_decided=True)
+
+
+def test_depth_parks_only_the_task_past_max_depth(engine: Engine) -> None:
+    tt = _tables(engine)
+    ids = _seed(engine, tt, "run-1", ["a", "b", "c"], depth={"a": 0, "b": 3, "c": 2})
+    result = _evaluator(engine, tt, max_depth=2).evaluate(["run-1"])
+    assert sorted(t.task_key for t in result.dispatched) == ["a", "c"]
+    assert [t.task_key for t in result.stopped] == ["b"]
+    assert _status(engine, tt, "run-1") == {"a": "queued", "b": "review", "c": "queued"}
+    [entry] = _queue(engine)
+    assert (entry.task_id, entry.guard, entry.measured, entry.limit, entry.moved, entry.decision) == \
+        (str(ids["b"]), "depth", 3, 2, True, None)
+    assert entry.reason == "causation depth 3 > max_depth 2" and entry.parked_by == "test-scheduler"
+
+
+def test_a_wide_flat_instance_is_not_deep(engine: Engine) -> None:
+    """Eight parallel tasks of depth 1 under max_depth 5: depth is causation, not a count of dispatches."""
+    tt = _tables(engine)
+    keys = [f"t{i}" for i in range(8)]
+    _seed(engine, tt, "wide", keys, depth=dict.fromkeys(keys, 1))
+    result = _evaluator(engine, tt, max_depth=5).evaluate(["wide"])
+    assert len(result.dispatched) == 8 and not result.stopped
+
+
+def test_the_dispatch_count_guard_never_overshoots_within_a_batch(engine: Engine) -> None:
+    """Eight ready tasks in one batch, max_dispatches 5: five dispatched, three parked (the old guard checked
+    before the batch and dispatched all eight)."""
+    tt = _tables(engine)
+    keys = [f"t{i}" for i in range(8)]
+    _seed(engine, tt, "burst", keys)
+    result = _evaluator(engine, tt, max_dispatches=5).evaluate(["burst"])
+    assert len(result.dispatched) == 5 and len(result.stopped) == 3
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(dispatch_log)).scalar() == 5
+    measured = sorted(e.measured for e in _queue(engine))
+    assert measured == [6, 6, 6] and {e.guard for e in _queue(engine)} == {"dispatches"}
+
+
+def test_depth_from_the_spawning_chain(engine: Engine) -> None:
+    tt = _tables(engine, source="spawned_by")
+    ids = _seed(engine, tt, "chain", ["root", "child", "grandchild"])
+    with engine.begin() as conn:
+        t = tt.tasks
+        conn.execute(t.update().where(t.c.id == ids["child"]).values(spawned_by=ids["root"], status="completed"))
+        conn.execute(t.update().where(t.c.id == ids["grandchild"]).values(spawned_by=ids["child"]))
+        conn.execute(t.update().where(t.c.id == ids["root"]).values(status="completed"))
+    result = _evaluator(engine, tt, max_depth=1).evaluate(["chain"])
+    assert [t.task_key for t in result.stopped] == ["grandchild"] and not result.dispatched
+    assert [(e.measured, e.limit) for e in _queue(engine)] == [(2, 1)]
+
+
+def test_a_spawning_cycle_costs_a_bounded_walk_and_is_parked(engine: Engine) -> None:
+    tt = _tables(engine, source="spawned_by")
+    ids = _seed(engine, tt, "cycle", ["x", "y"])
+    with engine.begin() as conn:
+        t = tt.tasks
+        conn.execute(t.update().where(t.c.id == ids["x"]).values(spawned_by=ids["y"]))
+        conn.execute(t.update().where(t.c.id == ids["y"]).values(spawned_by=ids["x"]))
+    result = _evaluator(engine, tt, max_depth=3).evaluate(["cycle"])
+    assert len(result.stopped) == 2 and not result.dispatched
+    assert all(e.measured == 5 for e in _queue(engine))  # the walk stops at max_depth + 1 links
+
+
+def test_release_lets_the_task_run_and_exempts_it(engine: Engine) -> None:
+    tt = _tables(engine)
+    ids = _seed(engine, tt, "rel", ["deep"], depth={"deep": 9})
+    evaluator = _evaluator(engine, tt, max_depth=2)
+    assert evaluator.evaluate(["rel"]).stopped
+    with engine.begin() as conn:
+        [outcome] = queue.decide(conn, tt, [str(ids["deep"])], "released", actor="alice", reason="expected depth")
+    assert outcome.done and _status(engine, tt, "rel") == {"deep": "pending"}
+    # Before the fix a released task went straight back to review on the next evaluation.
+    result = evaluator.evaluate(["rel"])
+    assert [t.task_key for t in result.dispatched] == ["deep"] and not result.stopped
+    [entry] = _queue(engine)
+    assert (entry.decision, entry.decided_by, entry.decision_reason) == ("released", "alice", "expected depth")
+
+
+def test_without_a_review_status_a_parked_task_stays_pending_and_no_path_takes_it(engine: Engine) -> None:
+    tt = _tables(engine, review_status=False)
+    ids = _seed(engine, tt, "held", ["deep"], depth={"deep": 9})
+    evaluator = _evaluator(engine, tt, max_depth=2)
+    first = evaluator.evaluate(["held"])
+    assert first.stopped and _status(engine, tt, "held") == {"deep": "pending"}
+    [entry] = _queue(engine)
+    assert not entry.moved
+    # The poller's scan (any phase: here with no flags, the type is polling) and its dispatch leave it alone,
+    # and the evaluator arms a re-check instead of dispatching it.
+    assert LegacyPoller(engine, tt, registry=CollectorRegistry()).scan_once().dispatched == 0
+    again = evaluator.evaluate(["held"])
+    assert not again.dispatched and not again.stopped and [k for _, k, _, _ in again.timers] == ["due"]
+    # Another scheduler with a far higher limit does not dispatch it either: parking is in the database.
+    assert not _evaluator(engine, tt, max_depth=1000).evaluate(["held"]).dispatched
+    with engine.begin() as conn:
+        queue.decide(conn, tt, [str(ids["deep"])], "released", actor="bob", reason="ok")
+    assert [t.task_key for t in evaluator.evaluate(["held"]).dispatched] == ["deep"]
+
+
+def test_reject_fails_the_task_for_good(engine: Engine) -> None:
+    tt = _tables(engine)
+    ids = _seed(engine, tt, "rej", ["deep"], depth={"deep": 9})
+    _evaluator(engine, tt, max_depth=2).evaluate(["rej"])
+    with engine.begin() as conn:
+        [outcome] = queue.decide(conn, tt, [str(ids["deep"])], "rejected", actor="carol", reason="runaway")
+    assert outcome.done
+    t = tt.tasks
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(t.c.status, t.c.attempts, t.c.max_attempts).where(t.c.id == ids["deep"])).one()
+    assert row.status == "failed" and row.attempts == row.max_attempts
+    with engine.begin() as conn:
+        [again] = queue.decide(conn, tt, [str(ids["deep"])], "released", actor="dave", reason="oops")
+    assert not again.done and again.detail == "not parked (already rejected by carol)"
+
+
+def test_the_limit_is_shared_through_the_flag(engine: Engine) -> None:
+    """A type's max_depth in its flag overrides every process's setting (one value for all schedulers)."""
+    tt = _tables(engine)
+    _seed(engine, tt, "flagged", ["a"], depth={"a": 4})
+    store = FlagStore(engine)
+    store.change("agents", "cutover", actor="t", reason="t", thresholds={"max_depth": 3})
+    router = FlagRouter(store, refresh_interval=3600)
+    router.refresh()
+    result = _evaluator(engine, tt, router, max_depth=100).evaluate(["flagged"])
+    assert result.stopped and not result.dispatched
+    assert [(e.measured, e.limit) for e in _queue(engine)] == [(4, 3)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depths=st.lists(st.integers(0, 6), min_size=1, max_size=8), max_depth=st.integers(1, 5),
+       max_dispatches=st.integers(1, 8), released=st.sets(st.integers(0, 7), max_size=3))
+def test_guards_invariant(engine: Engine, depths: list[int], max_depth: int, max_dispatches: int,
+                          released: set[int]) -> None:
+    """Whatever the depths and limits: no task past max_depth is dispatched unless a person released it,
+    an instance never gets more than max_dispatches dispatches but for released tasks, every ready task is
+    either dispatched or parked, and every parked task has exactly one open review row."""
+    with engine.begin() as conn:
+        for name in ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_review",
+                     "pollbridge_outbox"):
+            conn.execute(sa.text(f"DELETE FROM {name}"))
+    tt = _tables(engine)
+    keys = [f"t{i}" for i in range(len(depths))]
+    ids = _seed(engine, tt, "inv", keys, depth=dict(zip(keys, depths, strict=True)))
+    exempt = {keys[i] for i in released if i < len(keys)}
+    with engine.begin() as conn:  # a person released these earlier (a decided row exempts them)
+        for key in exempt:
+            conn.execute(review.insert().values(
+                task_id=str(ids[key]), instance_id="inv", workflow_type="agents", task_key=key, guard="depth",
+                measured=0, limit_value=0, parked_at=sa.func.current_timestamp(), parked_by="earlier",
+                decision="released", decided_by="p", decision_reason="r"))
+    result = _evaluator(engine, tt, max_depth=max_depth, max_dispatches=max_dispatches).evaluate(["inv"])
+    depth_of = dict(zip(keys, depths, strict=True))
+    dispatched = {t.task_key for t in result.dispatched}
+    stopped = {t.task_key for t in result.stopped}
+    assert dispatched | stopped == set(keys) and not dispatched & stopped
+    assert all(depth_of[k] <= max_depth or k in exempt for k in dispatched)
+    assert len(dispatched - exempt) <= max_dispatches
+    open_rows = [e for e in _queue(engine) if e.decision is None]
+    assert sorted(e.task_key for e in open_rows) == sorted(stopped)
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = str(Path(sys.executable).with_name("pollbridge"))
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=60,
+                          env={"POLLBRIDGE_DATABASE_URL": url, "PATH": "/usr/bin:/bin"})
+
+
+def test_review_cli(engine: Engine) -> None:
+    tt = _tables(engine)
+    ids = _seed(engine, tt, "cli", ["deep", "deeper"], depth={"deep": 7, "deeper": 8})
+    _evaluator(engine, tt, max_depth=2).evaluate(["cli"])
+    url = engine.url.render_as_string(hide_password=False)
+    listed = _cli(url, "review", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "causation depth 7 > max_depth 2" in listed.stdout and "2 parked" in listed.stdout
+    bad = _cli(url, "review", "release", "not-a-number")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr, bad.stderr
+    no_reason = _cli(url, "review", "reject", str(ids["deep"]))
+    assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
+    done = _cli(url, "review", "reject", str(ids["deep"]), "--reason", "runaway agent", "--actor", "erin")
+    assert done.returncode == 0 and f"task {ids['deep']}: rejected" in done.stdout, done.stdout + done.stderr
+    mixed = _cli(url, "review", "release", str(ids["deeper"]), str(ids["deep"]), "--actor", "erin")
+    assert mixed.returncode == 1
+    assert f"task {ids['deeper']}: released" in mixed.stdout and "already rejected by erin" in mixed.stdout
+    trail = _cli(url, "review", "list", "--all", "--json")
+    assert trail.returncode == 0
+    assert "runaway agent" in trail.stdout and '"decided_by": "erin"' in trail.stdout
