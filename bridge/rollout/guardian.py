@@ -17,7 +17,9 @@ Every ``guardian.interval`` seconds :meth:`Guardian.check_once` measures three c
   ``events`` or ``fallback``, over the last ``window`` seconds, counting only dispatches since the
   type entered its current phase (evidence gathered before an operator re-promoted a type must not
   demote it again at once). Judged only once at least ``min_tasks`` such dispatches exist; past
-  ``max_miss_rate`` that type is demoted.
+  ``max_miss_rate`` that type is demoted. Backpressure is not failure: a ready task the event scheduler
+  holds back by its type's rate or in-flight limit (a legitimate hold, :mod:`bridge.tasktable.holds`) is
+  never taken by the fallback, so it adds no miss; the finding reports how many are held, as waiting by design.
 
 Thresholds are ``[guardian]`` settings; a flag's ``thresholds`` may override ``max_outbox_age``,
 ``max_lag`` and ``max_miss_rate`` for its type. "Past" means strictly above.
@@ -75,10 +77,11 @@ from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.phases import Flag, Phase
 from bridge.core.settings import GuardianSettings, SchedulerSettings
 from bridge.db.clock import as_utc
-from bridge.db.engine import read_only
-from bridge.db.schema import dispatch_log
+from bridge.db.engine import db_ago, read_only
+from bridge.db.schema import dispatch_log, holds
 from bridge.flags.store import FlagChange, FlagStore, describe
 from bridge.rollout.promotion import rollback
+from bridge.tasktable.holds import HOLD_SLACK
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,8 @@ class MissCount:
     events: int
     fallback: int
     since: datetime
+    #: Ready tasks of the type under a legitimate backpressure hold now: waiting by design, not failing.
+    held: int = 0
 
     @property
     def total(self) -> int:
@@ -256,9 +261,13 @@ class Guardian:
              .where(dl.workflow_type == flag.workflow_type, dl.path.in_(("events", "fallback")),
                     dl.dispatched_at >= self._bind_time(since))
              .group_by(dl.path))
+        h = holds.c
+        held_q = (sa.select(sa.func.count()).where(h.workflow_type == flag.workflow_type, h.released_at.is_(None),
+                                                   h.until > db_ago(self._dialect, HOLD_SLACK)))
         with self._reader.connect() as conn:
             counts = {str(path): int(n) for path, n in conn.execute(q)}
-        return MissCount(counts.get("events", 0), counts.get("fallback", 0), since)
+            held = int(conn.execute(held_q).scalar() or 0)
+        return MissCount(counts.get("events", 0), counts.get("fallback", 0), since, held)
 
     def _bind_time(self, value: datetime) -> Any:
         # SQLite keeps db_now() as millisecond text (naive UTC), so compare with the same text.
@@ -375,6 +384,9 @@ class Guardian:
         self._miss_labels.add(flag.workflow_type)
         figures = (f"{counted.fallback} fallback of {counted.total} dispatches (events + fallback) "
                    f"since {counted.since.isoformat(timespec='seconds')}")
+        if counted.held:
+            # Backpressure is not failure: held tasks are neither dispatched by the fallback nor counted.
+            figures += f"; {counted.held} ready task(s) held back by backpressure now (waiting by design, not misses)"
         if counted.total < self.settings.min_tasks:
             return Finding("miss_rate", "not_judged", round(counted.rate, 6), limit,
                            f"fallback-miss rate not judged: {figures}, need {self.settings.min_tasks}")
