@@ -101,6 +101,16 @@ def _print_story(x: Any) -> None:
     facts.add_row("flag now", f"{flag.phase}{'' if flag.percent is None else f' {flag.percent:g}%'} "
                               f"({flag.source}; grace {flag.grace_seconds:g} s; event route {flag.event_route}, "
                               f"poller route {flag.poller_route})")
+    for e in x.review:
+        decided = (f"; {e.decision} by {e.decided_by} at {_t(e.decided_at)}: {e.decision_reason}" if e.decision
+                   else "; waiting for a person")
+        facts.add_row("review queue", f"parked at {_t(e.parked_at)} by {e.parked_by}: {e.reason}{decided}")
+    if x.hold is not None:
+        h = x.hold
+        state = ("released (dispatched by its holder) at " + _t(h.released_at) if h.released_at is not None
+                 else "legitimate" if h.legit else "STALE (its holder stopped renewing it)")
+        facts.add_row("backpressure hold", f"{h.reason} since {_t(h.held_at)} by {h.holder}, until {_t(h.until)}; "
+                                           f"{state}")
     if x.phases:
         facts.add_row("phase history", "; ".join(f"{s.phase} from {_t(s.since) if s.since else 'the start'}"
                                                  for s in x.phases))
@@ -192,16 +202,18 @@ def _print_status(s: Any, foreign: bool = False) -> None:
     # A foreign scheduler's dispatches are the captured ones the relay records under the path 'poller'.
     legacy = "legacy scheduler (captured)" if foreign else "poller"
     table = Table("workflow type", "phase", legacy, "events", "fallback (misses)", "shadow decisions",
-                  "guardian demotions",
+                  "guardian demotions", "parked (review)", "held back now",
                   title=f"pollbridge status: {s.database}, last {s.window_seconds:g} s (at {_t(s.checked_at)})")
     for t in s.types:
         phase = t.phase + (f" {t.percent:g}%" if t.percent is not None else "") + \
             (" (no flag)" if t.flag_source == "default" else "")
         table.add_row(t.workflow_type or "(none)", phase, str(t.dispatches.get("poller", 0)),
                       str(t.dispatches.get("events", 0)), str(t.fallback_misses), str(t.decisions),
-                      str(t.guardian_demotions))
+                      str(t.guardian_demotions),
+                      f"{t.parked} (oldest {t.parked_oldest_age:.0f} s)" if t.parked and t.parked_oldest_age is not None
+                      else str(t.parked), str(t.held))
     if not s.types:
-        table.add_row("(no workflow type with a flag or recent activity)", "", "", "", "", "", "")
+        table.add_row("(no workflow type with a flag or recent activity)", "", "", "", "", "", "", "", "")
     console.print(table)
     click.echo(f"outbox: {s.outbox_backlog} unpublished, oldest {s.outbox_oldest_age_seconds:.1f} s old; "
                f"{s.outbox_dead_letters} dead-lettered by the relay")
@@ -228,6 +240,10 @@ def _print_status(s: Any, foreign: bool = False) -> None:
     else:
         click.echo("guardian: no demotion recorded")
     click.echo(f"flag store: {'up' if s.flag_store_up else 'DOWN'} ({s.flag_store_detail})")
+    parked = sum(t.parked for t in s.types)
+    if parked:
+        click.echo(f"review queue: {parked} task(s) parked by the depth or dispatch-count guard wait for a person: "
+                   "`pollbridge review list`")
 
 
 # --- metrics serve -----------------------------------------------------------------------------------------

@@ -59,11 +59,14 @@ from bridge.core.errors import FlagStoreUnavailable, PollbridgeError, first_line
 from bridge.core.phases import Flag
 from bridge.core.settings import SchedulerSettings
 from bridge.db.clock import as_utc
-from bridge.db.engine import db_now, read_only
-from bridge.db.schema import decisions, dispatch_log, outbox, signals
+from bridge.db.engine import db_ago, db_now, read_only
+from bridge.db.schema import decisions, dispatch_log, holds, outbox, signals
 from bridge.flags.store import FlagStore, describe
 from bridge.reconcile.classify import PhaseSpan, phase_spans
+from bridge.tasktable.holds import HOLD_SLACK
 from bridge.tasktable.readiness import ready_predicate, ready_since
+from bridge.tasktable.review import ReviewEntry
+from bridge.tasktable.review import entries as review_entries
 from bridge.tasktable.tables import TaskTable
 
 #: Outbox events listed per task (the most recent ones).
@@ -72,7 +75,7 @@ MAX_EVENTS = 100
 DELIVERY_LOOKUPS = 10
 
 ANSWER_CODES = ("dispatched", "completed", "failed_terminal", "rejected", "failed_retrying", "held_for_review",
-                "waiting_dependency", "not_due", "awaiting_signal", "not_ready", "ready_not_dispatched",
+                "held_back", "waiting_dependency", "not_due", "awaiting_signal", "not_ready", "ready_not_dispatched",
                 "unknown_status")
 DELIVERY_STATES = ("unpublished", "undelivered", "pending", "acknowledged", "dead_lettered", "unknown")
 
@@ -242,6 +245,24 @@ class FlagView:
 
 
 @dataclass(frozen=True)
+class HoldView:
+    """The task's backpressure hold (``pollbridge_holds``), as the database saw it when explain read it."""
+
+    reason: str  # 'rate' or 'in_flight'
+    attempt: int | None
+    held_at: datetime | None
+    until: datetime | None
+    holder: str
+    released_at: datetime | None
+    legit: bool  # not released and renewed recently enough (bridge.tasktable.holds.HOLD_SLACK)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "attempt": self.attempt, "held_at": _iso(self.held_at),
+                "until": _iso(self.until), "holder": self.holder, "released_at": _iso(self.released_at),
+                "legitimate": self.legit}
+
+
+@dataclass(frozen=True)
 class Answer:
     code: str  # one of ANSWER_CODES
     sentence: str
@@ -272,6 +293,9 @@ class Explanation:
     phases: tuple[PhaseSpan, ...]
     answer: Answer
     foreign: bool = False  # the legacy scheduler is foreign: its dispatches are captured, path 'poller'
+    #: The task's rows in the review queue, oldest first (open and decided: the audit trail).
+    review: tuple[ReviewEntry, ...] = ()
+    hold: HoldView | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -288,6 +312,8 @@ class Explanation:
             "dispatches": [d.to_json() for d in self.dispatches],
             "flag": self.flag.to_json(),
             "phases": [{"phase": s.phase, "since": _iso(s.since), "until": _iso(s.until)} for s in self.phases],
+            "review": [e.as_dict() for e in self.review],
+            "hold": self.hold.to_json() if self.hold is not None else None,
             "answer": self.answer.to_json(),
         }
 
@@ -321,6 +347,10 @@ def explain_task(engine: Engine, tt: TaskTable, task_id: str, *, bus: EventBus |
         dispatch_rows = conn.execute(sa.select(dispatch_log).where(_same_task(dispatch_log, task_text, instance_text,
                                                                               key_text))
                                      .order_by(dispatch_log.c.id)).all()
+        review_rows = tuple(review_entries(conn, include_decided=True, task_ids=[task_text]))
+        hold_row = conn.execute(sa.select(holds, (holds.c.released_at.is_(None)
+                                                  & (holds.c.until > db_ago(tt.dialect_name, HOLD_SLACK)))
+                                          .label("pb_legit")).where(holds.c.task_id == task_text)).first()
         event_rows = conn.execute(sa.select(outbox).where(outbox.c.task_id == task_text)
                                   .order_by(outbox.c.id.desc()).limit(MAX_EVENTS + 1)).all()
         traces = sorted({r.trace_id for r in (*decision_rows, *dispatch_rows) if r.trace_id}
@@ -370,7 +400,10 @@ def explain_task(engine: Engine, tt: TaskTable, task_id: str, *, bus: EventBus |
         completed_at=as_utc(row.pb_completed_at) if tt.has("completed_at") else None,
         updated_at=as_utc(row.pb_updated_at) if tt.has("updated_at") else None,
         readiness=readiness, events=events, events_truncated=truncated, decisions=decs, dispatches=disps,
-        flag=flag, phases=spans, answer=Answer("unknown_status", ""), foreign=foreign)
+        flag=flag, phases=spans, answer=Answer("unknown_status", ""), foreign=foreign, review=review_rows,
+        hold=None if hold_row is None else HoldView(
+            str(hold_row.reason), hold_row.attempt, as_utc(hold_row.held_at), as_utc(hold_row.until),
+            str(hold_row.holder), as_utc(hold_row.released_at), bool(hold_row.pb_legit)))
     return _with_answer(partial)
 
 
@@ -582,6 +615,12 @@ def answer_for(x: Explanation) -> Answer:
     name += f", type {x.workflow_type})" if x.workflow_type else ")"
     logical = x.logical_status
     last = x.dispatches[-1] if x.dispatches else None
+    parked = next((e for e in x.review if e.decision is None), None)
+    if parked is not None:
+        return Answer("held_for_review", f"{name} is parked for review since {_fmt(parked.parked_at)} "
+                                         f"(by {parked.parked_by}): {parked.reason}. No path dispatches it until a "
+                                         f"person decides: `pollbridge review release {x.task_id}` lets it run, "
+                                         f"`pollbridge review reject {x.task_id} --reason TEXT` fails it.")
     if logical == "completed":
         how = f"; {_dispatch_clause(x, last)}" if last is not None else "; pollbridge recorded no dispatch of it"
         return Answer("completed", f"{name} completed at {_fmt(x.completed_at)}{how}.")
@@ -598,8 +637,9 @@ def answer_for(x: Explanation) -> Answer:
     if logical == "failed":
         return _failed(x, name)
     if logical == "review":
-        return Answer("held_for_review", f"{name} is held for review (status {x.status}): the depth guard stopped its "
-                                         "instance after too many dispatches; a person must look at it.")
+        return Answer("held_for_review", f"{name} is in the review status ({x.status}) but not in pollbridge's review "
+                                         "queue (set by hand or by the platform): no path dispatches it until "
+                                         "something moves it back to pending.")
     if logical == "pending":
         return _pending(x, name)
     return Answer("unknown_status", f"{name} has status {x.status!r}, which the mapping does not know; "
@@ -632,6 +672,11 @@ def _dispatch_clause(x: Explanation, d: Dispatch) -> str:
 
 
 def _failed(x: Explanation, name: str) -> Answer:
+    rejected = next((e for e in reversed(x.review) if e.decision == "rejected"), None)
+    if rejected is not None:
+        return Answer("rejected", f"{name} was parked for review ({rejected.reason}) and rejected by "
+                                  f"{rejected.decided_by} at {_fmt(rejected.decided_at)}: {rejected.decision_reason}; "
+                                  "it failed for good and no path will dispatch it.")
     rejection = next((s for s in reversed(x.readiness.signals) if s.kind == "rejection"), None)
     if rejection is not None:
         who = f" by {rejection.actor}" if rejection.actor else ""
@@ -676,6 +721,13 @@ def _pending(x: Explanation, name: str) -> Answer:
     past_grace = waited is not None and waited > flag.grace_seconds
     attempt = (x.attempts or 0) + 1 if x.attempts is not None else None
     decided = next((d for d in reversed(x.decisions) if attempt is None or d.attempt == attempt), None)
+    hold = x.hold
+    if hold is not None and hold.legit and flag.event_route == "dispatch":
+        limit = "in-flight cap (max_in_flight)" if hold.reason == "in_flight" else "rate limit (rate, burst)"
+        return Answer("held_back", f"{ready} and held back by backpressure: its type's {limit} is reached. "
+                                   f"{hold.holder} holds it since {_fmt(hold.held_at)} and looks again by "
+                                   f"{_fmt(hold.until)}; while the hold lasts neither the poller's fallback nor the "
+                                   "safety sweep takes it, and it is not an event-path miss.")
     if flag.source == "unavailable":
         why = ("the flag store cannot be read, so the legacy poller treats every type as polling and dispatches it "
                "at its next scan")

@@ -16,7 +16,9 @@ window, never a scan of the task table):
   it never fails the status;
 * **the guardian**: its latest demotions (``pollbridge_flag_audit`` rows with actor ``guardian``) with
   time and reason;
-* **the flag store**: whether it can be read.
+* **the flag store**: whether it can be read;
+* **safety valves** per type: the tasks parked in the review queue (and how long the oldest has waited for a
+  person) and the ready tasks under a legitimate backpressure hold now.
 
 The result is a frozen :class:`Status` with :meth:`Status.to_json` (keys documented in
 ``docs/observe.md``). :class:`StatusCollector` exposes the same figures to Prometheus, gathered on
@@ -45,8 +47,10 @@ from bridge.core.phases import PHASES
 from bridge.core.settings import SchedulerSettings
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_ago, read_only
-from bridge.db.schema import decisions, dispatch_log, flag_audit, outbox_dead
+from bridge.db.schema import decisions, dispatch_log, flag_audit, holds, outbox_dead
 from bridge.flags.store import FlagStore
+from bridge.tasktable.holds import HOLD_SLACK
+from bridge.tasktable.review import summary as review_summary
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,11 @@ class TypeStatus:
     dispatches: dict[str, int]  # by path, every path present
     decisions: int
     guardian_demotions: int  # all time, from the audit trail
+    #: Tasks parked in the review queue now, and the age of the oldest (seconds; None without any).
+    parked: int = 0
+    parked_oldest_age: float | None = None
+    #: Ready tasks under a legitimate backpressure hold now (waiting by design, not misses).
+    held: int = 0
 
     @property
     def fallback_misses(self) -> int:
@@ -75,7 +84,11 @@ class TypeStatus:
         return {"workflow_type": self.workflow_type, "phase": self.phase, "percent": self.percent,
                 "flag_source": self.flag_source, "dispatches": dict(self.dispatches),
                 "fallback_misses": self.fallback_misses, "decisions": self.decisions,
-                "guardian_demotions": self.guardian_demotions}
+                "guardian_demotions": self.guardian_demotions,
+                "review": {"parked": self.parked,
+                           "oldest_age_seconds": (round(self.parked_oldest_age, 3)
+                                                  if self.parked_oldest_age is not None else None)},
+                "held_back": self.held}
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,11 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
         recent = conn.execute(sa.select(fa.workflow_type, fa.changed_at, fa.old_phase, fa.new_phase, fa.reason)
                               .where(fa.actor == GUARDIAN_ACTOR).order_by(fa.id.desc())
                               .limit(GUARDIAN_RECENT)).all()
+        parked = review_summary(conn)
+        h = holds.c
+        held = {(workflow_type or ""): int(n) for workflow_type, n in conn.execute(
+            sa.select(h.workflow_type, sa.func.count())
+            .where(h.released_at.is_(None), h.until > db_ago(dialect, HOLD_SLACK)).group_by(h.workflow_type))}
         conn.rollback()
 
     now, backlog, age = outbox_now.now, outbox_now.unpublished, outbox_now.oldest_age
@@ -195,7 +213,9 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
         dispatches.setdefault(workflow_type or "", {})[str(path)] = int(n)
     decisions_by_type = {(workflow_type or ""): int(n) for workflow_type, n in decided}
     demotions = {str(workflow_type): int(n) for workflow_type, n in demotion_counts}
-    names = sorted(set(stored) | set(dispatches) | set(decisions_by_type) | set(demotions))
+    parked_by_type = {(workflow_type or ""): v for workflow_type, v in parked.items()}
+    names = sorted(set(stored) | set(dispatches) | set(decisions_by_type) | set(demotions) | set(parked_by_type)
+                   | set(held))
     types = []
     for name in names:
         flag = stored.get(name)
@@ -207,9 +227,13 @@ def gather_status(engine: Engine, *, bus: EventBus | None = None, bus_label: str
             phase=flag.phase if flag is not None else ("polling" if flags_up else "unknown"),
             percent=flag.percent if flag is not None and flag.phase == "selective" else None,
             flag_source="flag" if flag is not None else ("default" if flags_up else "unavailable"),
-            dispatches=counts, decisions=decisions_by_type.get(name, 0), guardian_demotions=demotions.get(name, 0)))
+            dispatches=counts, decisions=decisions_by_type.get(name, 0), guardian_demotions=demotions.get(name, 0),
+            parked=parked_by_type.get(name, (0, None))[0],
+            parked_oldest_age=_age(now, parked_by_type.get(name, (0, None))[1]), held=held.get(name, 0)))
     totals = {p: sum(t.dispatches.get(p, 0) for t in types) for p in PATHS}
     totals["decisions"] = sum(t.decisions for t in types)
+    totals["parked"] = sum(t.parked for t in types)
+    totals["held_back"] = sum(t.held for t in types)
 
     return Status(
         checked_at=now, window_seconds=float(window),
@@ -305,7 +329,18 @@ def status_metrics(s: Status) -> Iterator[GaugeMetricFamily]:
             latest[d.workflow_type] = d.changed_at
     for name, at in sorted(latest.items()):
         last_demotion.add_metric([name], at.timestamp())
-    yield from (phase, percent, window, shadow, demoted, last_demotion)
+    parked = GaugeMetricFamily("pollbridge_review_parked", "Tasks parked in the review queue by the depth or "
+                               "dispatch-count guard, waiting for `pollbridge review`", labels=["workflow_type"])
+    parked_age = GaugeMetricFamily("pollbridge_review_oldest_age_seconds", "How long the oldest parked task of "
+                                   "each workflow type has waited for a person", labels=["workflow_type"])
+    held = GaugeMetricFamily("pollbridge_held_back_now", "Ready tasks under a legitimate backpressure hold "
+                             "(waiting by design, not misses)", labels=["workflow_type"])
+    for t in s.types:
+        parked.add_metric([t.workflow_type], t.parked)
+        if t.parked_oldest_age is not None:
+            parked_age.add_metric([t.workflow_type], t.parked_oldest_age)
+        held.add_metric([t.workflow_type], t.held)
+    yield from (phase, percent, window, shadow, demoted, last_demotion, parked, parked_age, held)
     yield _gauge("pollbridge_outbox_backlog", "Outbox rows not yet published", s.outbox_backlog)
     yield _gauge("pollbridge_outbox_oldest_age_seconds", "Age of the oldest unpublished outbox row (database clock; "
                  "0 without a backlog)", s.outbox_oldest_age_seconds)
@@ -337,6 +372,13 @@ def status_metrics(s: Status) -> Iterator[GaugeMetricFamily]:
         dead.add_metric([], b.dead_letters)
     yield from (pending, dead)
     yield _gauge("pollbridge_flag_store_up", "1 when the flag store could be read", 1 if s.flag_store_up else 0)
+
+
+def _age(now: datetime, since: datetime | None) -> float | None:
+    if since is None:
+        return None
+    now_utc = as_utc(now)
+    return max(0.0, (now_utc - since).total_seconds()) if now_utc is not None else None
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -125,7 +125,8 @@ def park(conn: Connection, tt: TaskTable, stops: Sequence[Parking], holder: str)
             values: dict[str, Any] = {tt.mapping.columns.status: review_value}
             if tt.has("updated_at"):
                 values[tt.mapping.columns.updated_at or ""] = now
-            moved = conn.execute(tt.tasks.update().where(tt.col("id") == stop.task_id, tt.status_in("pending"))
+            key = parse_task_id(tt, str(stop.task_id), ReviewError)
+            moved = conn.execute(tt.tasks.update().where(tt.col("id") == key, tt.status_in("pending"))
                                  .values(values)).rowcount == 1
             if not moved:
                 continue

@@ -25,12 +25,13 @@ from bridge.bus import open_bus
 from bridge.bus.base import EventBus, partition_for
 from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
-from bridge.db.schema import dispatch_log
+from bridge.db.schema import dispatch_log, holds
 from bridge.flags.router import FlagRouter
 from bridge.flags.store import FlagStore
 from bridge.reconcile.classify import PhaseSpan
 from bridge.reconcile.explain import ANSWER_CODES, DELIVERY_STATES, Explanation, UnknownTask, explain_task, phase_at
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
+from bridge.tasktable.review import Parking, decide, park
 from bridge.tasktable.tables import TaskTable
 from event_scheduler.scheduler import EventScheduler
 from event_scheduler.signals import record_signal
@@ -242,20 +243,21 @@ def test_an_early_dispatch_is_called_out(engine: Engine, tables: TaskTable) -> N
 # --- ready but not dispatched: who should act ------------------------------------------------------------
 def test_ready_in_cutover_the_event_path_should_have_and_the_sweep_catches_it(engine: Engine,
                                                                               tables: TaskTable) -> None:
-    _set(engine, "orders", "cutover", grace_seconds=0.3)
+    _set(engine, "orders", "cutover", grace_seconds=30)
     ids = _seed(engine, tables, "c1", "orders", TaskSpec("a"))
     story = _explain(engine, tables, ids["a"])
     assert story.answer.code == "ready_not_dispatched"
     assert story.answer.sentence.endswith(
         "but not dispatched: the type is in phase cutover, so the event path should have dispatched it (its latest "
         "event is still unpublished in the outbox: is the relay running?); the safety sweep will catch it after "
-        "the grace period (0.3 s).")
+        "the grace period (30 s).")
     assert (story.flag.event_route, story.flag.poller_route) == ("dispatch", "sweep")
     poller = _poller(engine, tables)
     assert poller.scan_once().dispatched == 0  # the scan leaves cutover types out
-    time.sleep(0.4)
+    # Ready for longer than the grace period (its ready time moved back, instead of waiting 30 s).
+    _update(engine, tables, ids["a"], updated_at=datetime.now(UTC) - timedelta(seconds=60))
     story = _explain(engine, tables, ids["a"])
-    assert "it has been ready longer than the grace period (0.3 s), so the next safety sweep dispatches it " \
+    assert "it has been ready longer than the grace period (30 s), so the next safety sweep dispatches it " \
            "(an event-path miss)" in story.answer.sentence
     assert poller.sweep_once().fallback == 1
     story = _explain(engine, tables, ids["a"])
@@ -366,12 +368,45 @@ def test_failed_terminally_retrying_in_cutover_and_rejected(engine: Engine, tabl
     assert story.dispatches == ()
 
 
-def test_held_for_review(engine: Engine, tables: TaskTable) -> None:
+def test_in_the_review_status_by_hand(engine: Engine, tables: TaskTable) -> None:
     ids = _seed(engine, tables, "rv1", "orders", TaskSpec("a"))
     _update(engine, tables, ids["a"], status="review")
     story = _explain(engine, tables, ids["a"])
     assert story.answer.code == "held_for_review"
-    assert "the depth guard stopped its instance" in story.answer.sentence
+    assert "not in pollbridge's review queue" in story.answer.sentence
+
+
+def test_parked_then_rejected_in_the_review_queue(engine: Engine, tables: TaskTable) -> None:
+    ids = _seed(engine, tables, "rv2", "orders", TaskSpec("a"))
+    stop = Parking(ids["a"], "rv2", "orders", "a", 1, "depth", 7, 3)
+    with engine.begin() as conn:
+        assert park(conn, tables, [stop], "sched-x") == [stop]
+    story = _explain(engine, tables, ids["a"])
+    assert story.answer.code == "held_for_review" and story.status == "review"
+    assert "causation depth 7 > max_depth 3" in story.answer.sentence
+    assert f"pollbridge review release {ids['a']}" in story.answer.sentence
+    with engine.begin() as conn:
+        decide(conn, tables, [str(ids["a"])], "rejected", actor="alice", reason="runaway agent")
+    story = _explain(engine, tables, ids["a"])
+    assert story.answer.code == "rejected" and "rejected by alice" in story.answer.sentence
+    assert "runaway agent" in story.answer.sentence
+    assert [e["decision"] for e in story.to_json()["review"]] == ["rejected"]
+
+
+def test_held_back_by_backpressure(engine: Engine, tables: TaskTable) -> None:
+    ids = _seed(engine, tables, "hb1", "orders", TaskSpec("a"))
+    FlagStore(engine).change("orders", "cutover", actor="t", reason="t")
+    with engine.begin() as conn:
+        conn.execute(holds.insert().values(task_id=str(ids["a"]), instance_id="hb1", workflow_type="orders",
+                                           task_key="a", attempt=1, reason="in_flight", held_at=datetime.now(UTC),
+                                           until=datetime.now(UTC) + timedelta(seconds=1), holder="sched-y"))
+    story = _explain(engine, tables, ids["a"])
+    assert story.answer.code == "held_back", story.answer.sentence
+    assert "in-flight cap" in story.answer.sentence and "not an event-path miss" in story.answer.sentence
+    assert story.to_json()["hold"]["legitimate"] is True
+    with engine.begin() as conn:  # its holder died: the hold is stale, the usual answer comes back
+        conn.execute(holds.update().values(until=datetime.now(UTC) - timedelta(seconds=60)))
+    assert _explain(engine, tables, ids["a"]).answer.code == "ready_not_dispatched"
 
 
 def test_an_unknown_task_id_is_a_usage_error(engine: Engine, tables: TaskTable) -> None:
@@ -439,7 +474,7 @@ def test_json_has_the_documented_keys(engine: Engine, tables: TaskTable) -> None
     record_signal(engine, tables, ids["b"], "callback")
     doc = _explain(engine, tables, ids["b"]).to_json()
     assert set(doc) == {"task_id", "task", "readiness", "events", "events_truncated", "decisions", "dispatches",
-                        "flag", "phases", "answer"}
+                        "flag", "phases", "review", "hold", "answer"}
     assert set(doc["task"]) == {"id", "instance_id", "task_key", "workflow_type", "status", "logical_status",
                                 "attempts", "max_attempts", "dispatched_at", "completed_at", "updated_at"}
     assert set(doc["readiness"]) == {"ready_now", "ready_since", "checked_at", "dependencies", "due_at", "due",

@@ -96,7 +96,7 @@ def test_dispatches_by_path_misses_and_decisions_per_type(engine: Engine, tables
     assert (etl.phase, etl.decisions, etl.dispatches["poller"]) == ("dual_write", 4, 4)
     assert (etl2.phase, etl2.percent, etl2.flag_source, sum(etl2.dispatches.values())) == (
         "selective", 25.0, "flag", 0)
-    assert status.totals == {"poller": 7, "events": 0, "fallback": 2, "decisions": 4}
+    assert status.totals == {"poller": 7, "events": 0, "fallback": 2, "decisions": 4, "parked": 0, "held_back": 0}
     assert status.window_seconds == 300.0
 
     wide = _status(engine, bus=bus, window=7200)
@@ -218,7 +218,7 @@ def test_json_has_the_documented_keys(engine: Engine) -> None:
     assert doc["capture"] == {"mode": "trigger"}
     assert doc["database"] == "postgresql://u:***@h/db"
     assert set(doc["types"][0]) == {"workflow_type", "phase", "percent", "flag_source", "dispatches",
-                                    "fallback_misses", "decisions", "guardian_demotions"}
+                                    "fallback_misses", "decisions", "guardian_demotions", "review", "held_back"}
     assert set(doc["outbox"]) == {"backlog", "oldest_age_seconds", "dead_letters"}
     assert set(doc["bus"]) == {"url", "group", "state", "reason", "lag", "lag_partitions", "pending", "dead_letters"}
     assert doc["bus"]["lag_partitions"] == {"0": 0, "1": 0}
