@@ -45,7 +45,8 @@ def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
     envelope = build("specversion", SPECVERSION, "id", o.event_id, "source", SOURCE, "type",
                      sa.case((o.change == "signal", TASK_SIGNAL_RECEIVED), else_=TASK_STATUS_CHANGED),
                      "subject", o.task_id, "time", time, "datacontenttype", "application/json",
-                     "partitionkey", o.instance_id, "depth", 0, "traceid", o.trace_id, "data", data)
+                     "partitionkey", o.instance_id,
+                     "depth", sa.case((o.depth > 0, o.depth), else_=0), "traceid", o.trace_id, "data", data)
     return sa.cast(envelope, sa.Text).label("payload")
 
 

@@ -98,9 +98,14 @@ def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
         partitionkey=row.instance_id,
         time=created,
         traceid=row.trace_id,
-        depth=0,
+        depth=_depth(getattr(row, "depth", None)),
         data=data,
     )
+
+
+def _depth(value: Any) -> int:
+    """The captured causation depth (``mapping.columns.depth``); 0 when not mapped, NULL or negative."""
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def describe_statuses(statuses: StatusValues) -> str:

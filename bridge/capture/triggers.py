@@ -67,7 +67,7 @@ COMMENT_PREFIX = "pollbridge capture"
 _COMMENT = re.compile(r"^pollbridge capture sha256:([0-9a-f]{64}) wake:([a-z]+) relay_partitions:([0-9]+)$")
 #: Mapped columns capture reads on the task table (the triggers, and the WAL capture's publication).
 CAPTURED = ("id", "instance_id", "task_key", "status", "due_at", "awaits_signal", "signal_received_at",
-             "attempts", "workflow_type")
+             "attempts", "workflow_type", "depth")
 
 
 def _q(conn: Connection, name: str) -> str:
@@ -325,6 +325,7 @@ def _values(conn: Connection, tt: TaskTable, read: Columns, types: sa.Table) -> 
             text = f"CAST({read[cols.attempts]} AS TEXT)"
             attempt = f"CASE WHEN {text} ~ '^[0-9]{{1,9}}$' THEN CAST({text} AS INTEGER) END"
     return {
+        "depth": _small_int(conn, tt, read, types, cols.depth),
         "id_text": f"CAST({read[cols.id]} AS TEXT)",
         "instance_key": instance_key,
         "task_key": _key_text(tt, "task_key", read),
@@ -333,6 +334,19 @@ def _values(conn: Connection, tt: TaskTable, read: Columns, types: sa.Table) -> 
         "attempt": attempt,
         "partition_key": instance_key,
     }
+
+
+def _small_int(conn: Connection, tt: TaskTable, read: Columns, types: sa.Table, column: str | None) -> str:
+    """A mapped integer column as an outbox value, or NULL. On PostgreSQL a value the cast could fail on (a
+    bigint past the integer range, a text column) is captured as NULL: a failed cast would fail the
+    scheduler's own write."""
+    if not column:
+        return "NULL"
+    stored = (types.c[column] if column in types.c else tt.tasks.c[column]).type
+    if conn.dialect.name == "postgresql" and (not isinstance(stored, sa.Integer) or isinstance(stored, sa.BigInteger)):
+        text = f"CAST({read[column]} AS TEXT)"
+        return f"CASE WHEN {text} ~ '^[0-9]{{1,9}}$' THEN CAST({text} AS INTEGER) END"
+    return f"CAST({read[column]} AS INTEGER)"
 
 
 def _change_kind(conn: Connection, watched: list[tuple[str, str]]) -> str:

@@ -459,6 +459,7 @@ class WalCapture:
         self._remember(task_id, watched_now)
         status = new.get(cols.status)
         attempt = new.get(cols.attempts) if cols.attempts else None
+        depth = new.get(cols.depth) if cols.depth else None
         return {
             "pb_n": n,
             "task_id": task_id,
@@ -469,6 +470,7 @@ class WalCapture:
             "old_status": None if old_status is UNCHANGED else old_status,
             "new_status": None if status is UNCHANGED else status,
             "attempt": int(attempt) if isinstance(attempt, str) and attempt.isdigit() and len(attempt) < 10 else None,
+            "depth": int(depth) if isinstance(depth, str) and depth.isdigit() and len(depth) < 10 else None,
             "trace_id": uuid.uuid4().hex,
         }
 
@@ -482,8 +484,8 @@ class WalCapture:
     def _insert_statement(self) -> Any:
         o = outbox.c
         names = ("event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
-                 "new_status", "attempt", "trace_id", "created_at")
-        types: dict[str, Any] = {"attempt": sa.Integer, "created_at": sa.DateTime(timezone=True)}
+                 "new_status", "attempt", "depth", "trace_id", "created_at")
+        types: dict[str, Any] = {"attempt": sa.Integer, "depth": sa.Integer, "created_at": sa.DateTime(timezone=True)}
         arrays = [sa.bindparam(f"pb_{n}", type_=postgresql.ARRAY(types.get(n, sa.Text))) for n in names]
         rows = sa.func.unnest(*arrays).table_valued(*(sa.column(n, types.get(n, sa.Text)) for n in names)) \
             .render_derived(name="pb_rows")
@@ -511,7 +513,7 @@ class WalCapture:
                     self._fill_types(conn, rows)
                     params = {f"pb_{n}": [r[n] for r in rows] for n in (
                         "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
-                        "new_status", "attempt", "trace_id", "created_at")}
+                        "new_status", "attempt", "depth", "trace_id", "created_at")}
                     written = conn.execute(self._insert, params).all()
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
@@ -602,7 +604,8 @@ class WalCapture:
                       tt.key_text("instance_id").label("instance_id"), tt.key_text("task_key").label("task_key"),
                       (sa.cast(tt.col("workflow_type"), sa.Text) if cols.workflow_type else sa.null())
                       .label("workflow_type"),
-                      (tt.col("attempts") if cols.attempts else sa.null()).label("attempt")) \
+                      (tt.col("attempts") if cols.attempts else sa.null()).label("attempt"),
+                      (tt.col("depth") if cols.depth else sa.null()).label("depth")) \
             .where(sa.not_(tt.status_in("completed", "failed", *(["skipped"] if tt.statuses.of("skipped") else []))))
         with self.engine.connect() as conn:
             now = conn.exec_driver_sql("SELECT clock_timestamp()").scalar_one()
@@ -610,6 +613,7 @@ class WalCapture:
                      "task_key": r.task_key, "workflow_type": r.workflow_type, "change": "status",
                      "old_status": None, "new_status": None if r.status is None else str(r.status),
                      "attempt": r.attempt if isinstance(r.attempt, int) else None,
+                     "depth": r.depth if isinstance(r.depth, int) else None,
                      "trace_id": uuid.uuid4().hex, "created_at": now} for r in conn.execute(q)]
         self.pending = _Pending(rows=rows, end_lsn=0)
         self.flush()

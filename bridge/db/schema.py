@@ -68,6 +68,8 @@ outbox = sa.Table(
     sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),
     # the mapped attempts column after the change (migration 0006): dispatch evidence of a foreign scheduler
     sa.Column("attempt", sa.Integer, nullable=True),
+    # the mapped depth column after the change (migration 0010): the CloudEvent's causation depth
+    sa.Column("depth", sa.Integer, nullable=True),
     sa.Index(
         "pollbridge_outbox_unpublished_idx",
         "relay_partition",

@@ -4,6 +4,7 @@
 fallback and safety sweep, the reconciler and the guardian can tell a legitimate hold from a miss.
 ``pollbridge_review``: the tasks the depth guard stopped, for a person to release or reject; a parked task
 stays parked whatever another scheduler process's settings say, until ``pollbridge review`` decides.
+``pollbridge_outbox.depth``: the captured row's causation depth, carried on its event.
 
 Revision ID: 0010
 Revises: 0009
@@ -25,6 +26,8 @@ BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def upgrade() -> None:
+    # The causation depth of the captured row (mapping.columns.depth), carried on the event.
+    op.add_column("pollbridge_outbox", sa.Column("depth", sa.Integer, nullable=True))
     op.create_table(
         "pollbridge_holds",
         sa.Column("task_id", Key, primary_key=True),
@@ -66,3 +69,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("pollbridge_review")
     op.drop_table("pollbridge_holds")
+    op.drop_column("pollbridge_outbox", "depth")  # SQLite >= 3.35 drops a column in place

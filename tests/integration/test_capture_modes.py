@@ -32,6 +32,7 @@ from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
 from bridge.reconcile.status import gather_status
+from bridge.reference.schema import create_demo_schema
 from bridge.tasktable.tables import reflect_tables
 from tests.support import Audit, wait_for
 
@@ -191,6 +192,42 @@ def test_composite_keys_a_null_status_and_the_attempt(request: pytest.FixtureReq
         rows = c.rows()
         assert [(r.instance_id, r.task_key, r.workflow_type, r.change, r.attempt) for r in rows] == [
             ("k/a", f"a/{task_id}", "orders", "insert", 3), ("k/a", f"a/{task_id}", "orders", "status", 3)]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_causation_depth_travels_on_the_event(request: pytest.FixtureRequest, tmp_path: Path, mode: str) -> None:
+    """With ``mapping.columns.depth`` the captured row's depth is the CloudEvent's ``depth`` (it was 0 on every
+    event before), in both capture modes; a NULL depth is 0."""
+    kind, _, dialect = mode.partition("-")
+    url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
+           else str(request.getfixturevalue("pg_empty_url")))
+    if kind == "wal":
+        _wal_available(url)
+    setup = create_engine(url)
+    with setup.begin() as conn:
+        create_demo_schema(conn)
+        conn.execute(sa.text("ALTER TABLE tasks ADD COLUMN depth INTEGER"))
+    setup.dispose()
+    c = Capture(url, kind, TaskTableMapping.from_dict({"columns": {"depth": "depth"}}))
+    try:
+        t = c.tables.tasks
+        with c.engine.begin() as conn:
+            conn.execute(c.tables.instances.insert().values(id="d1", workflow_type="agents"))  # type: ignore[union-attr]
+            conn.execute(t.insert(), [{"instance_id": "d1", "task_key": "spawned", "depends_on": [], "depth": 3},
+                                      {"instance_id": "d1", "task_key": "root", "depends_on": [], "depth": None}])
+        rows = c.rows("d1")
+        assert sorted((r.task_key, r.depth) for r in rows) == [("root", None), ("spawned", 3)]
+        group = "depth-test"
+        c.bus.ensure_group(group)
+        if c.streamer is None:  # trigger mode: the relay publishes the outbox rows
+            from bridge.capture.relay import Relay
+            from bridge.core.settings import RelaySettings
+
+            Relay(c.engine, c.bus, RelaySettings(), statuses=c.tables.mapping.statuses).publish_batch()
+        events = [d.event for d in c.bus.read(group, "t", {0, 1}, 10, 0.5)]
+        assert sorted((e.data["task_key"], e.depth) for e in events) == [("root", 0), ("spawned", 3)]
     finally:
         c.close()
 

@@ -4,7 +4,7 @@
 -- $new_status and $old_status (the captured row's id and statuses as text; a column the table lacks is read
 -- through the read view by id, an old status it lacks is NULL), $instance_key and $task_key (the text form of
 -- the keys: a composite key's parts joined with '/'), $type_expr (the workflow type), $change_kind (the kind
--- of an update, NULL when no watched column changed), $attempt (the attempts column, or NULL),
+-- of an update, NULL when no watched column changed), $attempt (the attempts column, or NULL), $depth (the depth column, or NULL),
 -- $partition_expr (the relay partition), $notify (statement or empty). A related table's capture
 -- (related_*): $related (the related table), $read (the read relation, alias pb_r), $match (pb_r's columns
 -- equal to NEW's), the trigger names, and the same values over pb_r.
@@ -34,10 +34,10 @@ BEGIN
     END IF;
   END IF;
   INSERT INTO $outbox
-    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt, depth,
      trace_id, relay_partition, created_at)
   SELECT gen_random_uuid()::text, $id_text, $instance_key, $type_expr, $task_key, pb_change,
-         CASE WHEN TG_OP = 'UPDATE' THEN $old_status END, $new_status, $attempt,
+         CASE WHEN TG_OP = 'UPDATE' THEN $old_status END, $new_status, $attempt, $depth,
          replace(gen_random_uuid()::text, '-', ''), $partition_expr, clock_timestamp()
   WHERE NOT EXISTS (SELECT FROM ONLY $table WHERE false)
   RETURNING relay_partition INTO pb_partition;
@@ -71,10 +71,10 @@ BEGIN
     END IF;
   END IF;
   INSERT INTO $outbox
-    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt, depth,
      trace_id, relay_partition, created_at)
   SELECT gen_random_uuid()::text, $id_text, $instance_key, $type_expr, $task_key, 'status', NULL, $new_status,
-         $attempt, replace(gen_random_uuid()::text, '-', ''), $partition_expr, clock_timestamp()
+         $attempt, $depth, replace(gen_random_uuid()::text, '-', ''), $partition_expr, clock_timestamp()
   FROM $read pb_r
   WHERE $match AND NOT EXISTS (SELECT FROM ONLY $related WHERE false);
   IF FOUND THEN

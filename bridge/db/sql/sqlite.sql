@@ -8,12 +8,12 @@ CREATE TRIGGER pollbridge_capture_insert AFTER INSERT ON $table
 FOR EACH ROW
 BEGIN
   INSERT INTO pollbridge_outbox
-    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt, depth,
      trace_id, relay_partition, created_at)
   SELECT lower(substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-' || substr(h, 13, 4) || '-' ||
                substr(h, 17, 4) || '-' || substr(h, 21, 12)),
          $id_text, $instance_key, $type_expr, $task_key,
-         'insert', NULL, $new_status, $attempt, lower(hex(randomblob(16))), 0,
+         'insert', NULL, $new_status, $attempt, $depth, lower(hex(randomblob(16))), 0,
          strftime('%Y-%m-%d %H:%M:%f', 'now')
   FROM (SELECT hex(randomblob(16)) AS h);
 END
@@ -23,12 +23,12 @@ CREATE TRIGGER pollbridge_capture_update AFTER UPDATE ON $table
 FOR EACH ROW
 BEGIN
   INSERT INTO pollbridge_outbox
-    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt, depth,
      trace_id, relay_partition, created_at)
   SELECT lower(substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-' || substr(h, 13, 4) || '-' ||
                substr(h, 17, 4) || '-' || substr(h, 21, 12)),
          $id_text, $instance_key, $type_expr, $task_key,
-         pb_change, $old_status, $new_status, $attempt, lower(hex(randomblob(16))), 0,
+         pb_change, $old_status, $new_status, $attempt, $depth, lower(hex(randomblob(16))), 0,
          strftime('%Y-%m-%d %H:%M:%f', 'now')
   FROM (SELECT hex(randomblob(16)) AS h, $change_kind AS pb_change)
   WHERE pb_change IS NOT NULL;
@@ -39,12 +39,12 @@ CREATE TRIGGER $insert_trigger AFTER INSERT ON $related
 FOR EACH ROW
 BEGIN
   INSERT INTO pollbridge_outbox
-    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt, depth,
      trace_id, relay_partition, created_at)
   SELECT lower(substr(pb_h, 1, 8) || '-' || substr(pb_h, 9, 4) || '-' || substr(pb_h, 13, 4) || '-' ||
                substr(pb_h, 17, 4) || '-' || substr(pb_h, 21, 12)),
          $id_text, $instance_key, $type_expr, $task_key,
-         'status', NULL, $new_status, $attempt, lower(hex(randomblob(16))), 0,
+         'status', NULL, $new_status, $attempt, $depth, lower(hex(randomblob(16))), 0,
          strftime('%Y-%m-%d %H:%M:%f', 'now')
   FROM (SELECT pb_r.*, hex(randomblob(16)) AS pb_h FROM $read pb_r WHERE $match) AS pb_r;
 END
@@ -54,12 +54,12 @@ CREATE TRIGGER $update_trigger AFTER UPDATE ON $related
 FOR EACH ROW
 BEGIN
   INSERT INTO pollbridge_outbox
-    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+    (event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt, depth,
      trace_id, relay_partition, created_at)
   SELECT lower(substr(pb_h, 1, 8) || '-' || substr(pb_h, 9, 4) || '-' || substr(pb_h, 13, 4) || '-' ||
                substr(pb_h, 17, 4) || '-' || substr(pb_h, 21, 12)),
          $id_text, $instance_key, $type_expr, $task_key,
-         'status', NULL, $new_status, $attempt, lower(hex(randomblob(16))), 0,
+         'status', NULL, $new_status, $attempt, $depth, lower(hex(randomblob(16))), 0,
          strftime('%Y-%m-%d %H:%M:%f', 'now')
   FROM (SELECT pb_r.*, hex(randomblob(16)) AS pb_h FROM $read pb_r WHERE $match) AS pb_r
   WHERE $change_kind IS NOT NULL;
