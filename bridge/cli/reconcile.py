@@ -4,7 +4,11 @@ Exit codes: 0 (also when a type fails, unless ``--gate``), 1 with ``--gate`` whe
 no evidence (verdict ``no_evidence``: no compared task in the window, or no dispatch observed in it: in
 ``dual_write`` none of the legacy scheduler's), or when the database cannot be read; 2 bad input (an
 unparseable time, ``--until`` before ``--since``, a bad type name, a ``--type`` that is no workflow type, an
-``--output`` that cannot be written), checked before the report is built.
+``--output`` that cannot be written, ``--gate`` with ``--control``), checked before the report is built.
+
+``--control`` measures the legacy poller by the same rules (the noise floor the event path is compared
+against): its verdict is ``floor``, never ``pass`` or ``fail``, so ``--gate`` does not apply to it and the
+two together are refused rather than exiting 0 as if something had passed.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from bridge.db.engine import check_connection
 from bridge.flags.store import validate_type_name
 from bridge.reconcile.gate import FAIL, NO_EVIDENCE, require_known_types
 from bridge.reconcile.html import render_html
-from bridge.reconcile.report import Report, build_report, parse_when
+from bridge.reconcile.report import PathShare, Report, TypeReport, build_report, duration_text, parse_when
 from bridge.tasktable.tables import reflect_tables
 
 STAGES = 4  # classifying, latency percentiles, histograms, mismatches
@@ -41,15 +45,20 @@ STAGES = 4  # classifying, latency percentiles, histograms, mismatches
 @click.option("--output", metavar="FILE", default=None,
               envvar="POLLBRIDGE_RECONCILE_OUTPUT", show_envvar=True, help="Write to this file instead of stdout.")
 @click.option("--gate", is_flag=True, envvar="POLLBRIDGE_RECONCILE_GATE", show_envvar=True,
-              help="Exit 1 unless every type passes its criteria (a type with no compared task has no evidence).")
+              help="Exit 1 unless every type passes its criteria (a type with no compared task has no evidence). "
+                   "Not with --control.")
 @click.option("--control", is_flag=True, envvar="POLLBRIDGE_RECONCILE_CONTROL", show_envvar=True,
-              help="Judge the legacy poller against itself: the disagreement that is inherent.")
+              help="Measure the legacy poller by the same rules: the noise floor the event path is compared "
+                   "against (verdict 'floor', never judged by the promotion gate).")
 @click.option("--limit", type=click.IntRange(1, 1_000_000), default=1000, envvar="POLLBRIDGE_RECONCILE_LIMIT",
               show_envvar=True, help="Most mismatches listed.")
 @click.pass_context
 def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str | None, fmt: str,
               output: str | None, gate: bool, control: bool, limit: int) -> None:
     """Compare what the poller and the event path did for every task that became ready in the window."""
+    if gate and control:
+        raise ConfigError("--gate does not apply to --control: a control report measures the legacy poller's "
+                          "noise floor and is never judged by the promotion gate; gate without --control")
     for name in types:
         validate_type_name(name)
     target = check_output_path(output) if output is not None else None
@@ -92,7 +101,7 @@ def reconcile(ctx: click.Context, types: tuple[str, ...], since: str, until: str
         write_output(target, text if fmt != "table" else _table_text(report))
         click.echo(f"report written to {output}: verdict {report.verdict}", err=True)
     elif fmt == "table":
-        _print_table(report)
+        _print_table(report, Console(width=170))
     else:
         click.echo(text)
     if gate and report.verdict in (FAIL, NO_EVIDENCE):
@@ -117,27 +126,53 @@ def _gate_failure(report: Report) -> str:
 
 
 def _table(report: Report) -> Table:
+    title = f"reconcile {report.since:%Y-%m-%d %H:%M:%S} → {report.until:%H:%M:%S}"
+    if report.control:
+        title += " (control: the legacy poller judged, not the event path)"
     table = Table("type", "phase", "tasks", "compared", "matched", "missing", "extra", "dup", "early", "late",
-                  "pending", "poller p50/p99", "events p50/p99", "miss ≤95%", "verdict",
-                  title=f"reconcile {report.since:%Y-%m-%d %H:%M:%S} → {report.until:%H:%M:%S}"
-                        f"{' (control)' if report.control else ''}")
+                  "held", "pending", "on hold", "poller p50/p99", "events p50/p99", "miss ≤95%", "verdict",
+                  title=title)
     for t in report.types:
         c = t.counts
 
-        def lat(path: str, t: object = t) -> str:
-            stats = t.latency_ms.get(path)  # type: ignore[attr-defined]
+        def lat(path: str, t: TypeReport = t) -> str:
+            stats = t.latency_ms.get(path)
             return f"{stats['p50']:.0f}/{stats['p99']:.0f} ms" if stats else "-"
 
         table.add_row(t.workflow_type, t.phase, str(sum(c.values())), str(t.compared),
                       *(str(c.get(k, 0)) for k in ("matched", "missing", "extra", "duplicate", "early", "late",
-                                                   "pending")),
+                                                   "held", "pending", "on_hold")),
                       lat("poller"), lat("events"), f"{t.miss_rate_upper:.3%}" if t.compared else "-", t.verdict)
     return table
 
 
-def _print_table(report: Report) -> None:
-    console = Console(width=170)
+def share_text(share: PathShare) -> str:
+    """One path's floor figures on one line: ``348 of 360 late (96.7%), 0 missing (0.0%), p50 9.7 s``."""
+    held = f", {share.held} held by backpressure" if share.held else ""
+    p50 = f", p50 {duration_text(share.p50_ms)}" if share.p50_ms is not None else ""
+    return (f"{share.late} of {share.judged} late ({share.late_share:.1%}), {share.missing} missing "
+            f"({share.missing_share:.1%}){held}{p50}")
+
+
+def _floor_lines(report: Report) -> list[str]:
+    """The noise floor per type: the legacy path's late and missing share beside the event path's."""
+    rows = [t for t in report.types if t.floor is not None or t.event_path is not None]
+    if not rows:
+        return []
+    lines = ["noise floor: the legacy poller's late and missing share (as --control judges it) beside the "
+             "event path's"]
+    width = max(len(t.workflow_type) for t in rows)
+    for t in rows:
+        legacy = f"poller (floor): {share_text(t.floor)}" if t.floor else "poller (floor): nothing judged"
+        events = f"events: {share_text(t.event_path)}" if t.event_path else "events: nothing judged"
+        lines.append(f"  {t.workflow_type:<{width}}  {legacy}  |  {events}")
+    return lines
+
+
+def _print_table(report: Report, console: Console) -> None:
     console.print(_table(report))
+    for line in _floor_lines(report):
+        console.print(line, markup=False, highlight=False)
     for t in report.types:
         if t.verdict == NO_EVIDENCE:
             console.print(f"  {t.workflow_type}: [yellow]no evidence[/yellow]: {t.no_evidence_reason}")
@@ -148,15 +183,21 @@ def _print_table(report: Report) -> None:
     if report.mismatches:
         console.print(f"mismatches ({len(report.mismatches)}{'+' if report.mismatches_truncated else ''}):")
         for m in report.mismatches[:20]:
-            console.print(f"  {m.kind:<9} {m.workflow_type} task {m.task_id}: {m.detail}")
+            console.print(f"  {m.kind:<9} {m.workflow_type} task {m.task_id}: {m.detail}", markup=False,
+                          highlight=False)
         if len(report.mismatches) > 20:
             console.print("  … (--format json lists them all)")
-    console.print(f"verdict: {report.verdict}")
+    if report.control:
+        console.print(f"verdict: {report.verdict} (control: this is the floor the event path is compared against; "
+                      "the legacy poller is measured, not judged: no promotion gate applies)", markup=False,
+                      highlight=False)
+    else:
+        console.print(f"verdict: {report.verdict}")
 
 
 def _table_text(report: Report) -> str:
     import io
 
     console = Console(width=170, record=True, file=io.StringIO())
-    console.print(_table(report))
+    _print_table(report, console)
     return console.export_text()

@@ -21,14 +21,33 @@ attempt once, in one kind:
                that no path dispatched (nor decided), in a phase where the event path is responsible;
 ``extra``      a shadow decision for an attempt no path dispatched within the tolerance (it acted on
                a task that, for the legacy scheduler, never became ready);
+``held``       the event path dispatched it past the objective, after a backpressure hold of that attempt
+               (a ``pollbridge_holds`` row, :mod:`bridge.tasktable.holds`, begun before the dispatch and
+               still legitimate at it: released by its holder, or renewed until at most ``HOLD_SLACK``
+               seconds before). Waiting out a rate limit or the most in flight is the scheduler doing its
+               job: compared, and matched evidence toward ``min_tasks`` like ``matched``, but never late
+               and never a miss;
+``on_hold``    ready at the window's end, not dispatched, and under a legitimate hold: nobody's miss
+               (the fallback and the sweep leave it alone too); not compared, as ``pending``. A hold that
+               went stale (its holder died) is no excuse: that task is ``missing`` past the tolerance, and
+               one the fallback or the sweep took is ``missing``, as any other;
 ``pending``    not decided yet: inside the tolerance at the window's end (expected noise, named);
 ``poller``     dispatched by the poller while it was authoritative (``polling``, or an instance
-               outside a ``selective`` percentage): not an event-path comparison.
+               outside a ``selective`` percentage): not an event-path comparison. Except an *outage
+               miss*: a task the event path owned when it became ready (``cutover``, or a canary instance
+               in ``selective``) and still owned for the objective after, that it did not dispatch, and
+               that the poller dispatched after a demotion (the guardian's, or a rollback): ``missing``.
 
-``compared`` = matched + late + missing + early + duplicate + extra: the tasks that are evidence about
-the event path, the denominator of the miss rate. :func:`miss_rate_upper` is the exact
+``compared`` = matched + late + held + missing + early + duplicate + extra: the tasks that are evidence
+about the event path, the denominator of the miss rate. :func:`miss_rate_upper` is the exact
 (Clopper-Pearson) one-sided upper confidence bound of that rate, so 0 misses in 30 tasks is not
 mistaken for a 0% miss rate.
+
+Control (``--control``, the noise floor): the legacy poller's own dispatches judged by the same rules, as
+``matched``, ``late``, ``early`` or ``duplicate`` (an attempt it did not dispatch is ``events``: not judged
+here), and the ready tasks nobody dispatched as ``missing`` or ``pending`` (or ``on_hold``). Every row of
+the classification carries both judgements, ``event_kind`` and ``control_kind`` (``kind`` is the mode's),
+so a report puts the legacy path's late and missing share (the floor) beside the event path's.
 """
 
 from __future__ import annotations
@@ -44,14 +63,20 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from bridge.core.phases import percent_threshold
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_ago, db_now, millis_between, read_only
-from bridge.db.schema import decisions, dispatch_log, flag_audit, flags
+from bridge.db.schema import decisions, dispatch_log, flag_audit, flags, holds
+from bridge.tasktable.holds import HOLD_SLACK, legit_hold
 from bridge.tasktable.readiness import greatest, ready_predicate, ready_since
 from bridge.tasktable.tables import TaskTable
 
-KINDS = ("matched", "missing", "extra", "duplicate", "early", "late", "pending", "poller")
-COMPARED = ("matched", "late", "missing", "early", "duplicate", "extra")
+KINDS = ("matched", "missing", "extra", "duplicate", "early", "late", "held", "pending", "on_hold", "poller")
+COMPARED = ("matched", "late", "held", "missing", "early", "duplicate", "extra")
+#: The kinds of the control classification that judge the legacy poller (its compared attempts).
+CONTROL_COMPARED = ("matched", "late", "missing", "early", "duplicate")
+#: Phases in which the event path owns a task (in ``selective``, only a canary instance's).
+OWNED_PHASES = ("selective", "cutover")
 
 
 @dataclass(frozen=True)
@@ -113,11 +138,14 @@ class PhaseSpan:
     phase: str
     since: datetime | None  # None: from the beginning
     until: datetime | None  # None: still in force
+    #: The ``selective`` percentage of the span (None: every instance, or another phase).
+    percent: float | None = None
 
 
 def phase_spans(engine: Engine, types: Sequence[str] | None = None) -> list[PhaseSpan]:
     """The phase of each type over time, from the audit trail (a type with no change: ``polling``)."""
     q = sa.select(flag_audit.c.workflow_type, flag_audit.c.old_phase, flag_audit.c.new_phase,
+                  flag_audit.c.old_percent, flag_audit.c.new_percent,
                   flag_audit.c.changed_at).order_by(flag_audit.c.workflow_type, flag_audit.c.id)
     if types:
         q = q.where(flag_audit.c.workflow_type.in_(list(types)))
@@ -129,12 +157,12 @@ def phase_spans(engine: Engine, types: Sequence[str] | None = None) -> list[Phas
         by_type.setdefault(r.workflow_type, []).append(r)
     for name, changes in by_type.items():
         start: datetime | None = None
-        phase = changes[0].old_phase
+        phase, percent = changes[0].old_phase, changes[0].old_percent
         for change in changes:
             at = as_utc(change.changed_at)
-            spans.append(PhaseSpan(name, phase, start, at))
-            start, phase = at, change.new_phase
-        spans.append(PhaseSpan(name, phase, start, None))
+            spans.append(PhaseSpan(name, phase, start, at, percent))
+            start, phase, percent = at, change.new_phase, change.new_percent
+        spans.append(PhaseSpan(name, phase, start, None, percent))
     return spans
 
 
@@ -160,6 +188,37 @@ def _phase_at(engine: Engine, spans: Sequence[PhaseSpan], type_col: Any, at_col:
     if not whens:
         return sa.literal("polling")
     return sa.case(*whens, else_=sa.literal("polling"))
+
+
+def _owned_at(engine: Engine, spans: Sequence[PhaseSpan], type_col: Any, instance_col: Any, ready_col: Any,
+              objective: float) -> sa.ColumnElement[Any]:
+    """SQL: the phase in which the event path owned the attempt that became ready at ``ready_col`` and still
+    owned it ``objective`` seconds later (``cutover``, or ``selective`` for an instance inside the span's
+    percentage, by the frozen hash the routers use), else NULL.
+
+    Each owning span is cut short by the objective in Python, so the test stays one CASE over bound times:
+    readiness less than the objective before a demotion left the event path no time to be late, and a poller
+    dispatch of that task stays the poller's."""
+    whens: list[tuple[sa.ColumnElement[bool], str]] = []
+    for span in spans:
+        if span.phase not in OWNED_PHASES:
+            continue
+        end = None if span.until is None else span.until - timedelta(seconds=objective)
+        if end is not None and span.since is not None and end <= span.since:
+            continue
+        cond = [type_col == span.workflow_type]
+        if span.since is not None:
+            cond.append(ready_col >= bind_time(engine, span.since))
+        if end is not None:
+            cond.append(ready_col < bind_time(engine, end))
+        if span.phase == "selective" and span.percent is not None:
+            bucket = sa.func.pollbridge_bucket(sa.literal(span.workflow_type, sa.String),
+                                               sa.cast(instance_col, sa.String))
+            cond.append(sa.cast(bucket, sa.Integer) < percent_threshold(span.percent))
+        whens.append((sa.and_(*cond), span.phase))
+    if not whens:
+        return sa.null()
+    return sa.case(*whens, else_=sa.null())
 
 
 def _actions(engine: Engine, since: datetime, until: datetime, types: Sequence[str] | None,
@@ -330,10 +389,11 @@ def _dependency_violations(engine: Engine, tt: TaskTable, since: datetime, until
 
 
 def facts_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, types: Sequence[str] | None,
-              spans: Sequence[PhaseSpan]) -> sa.Select[Any]:
+              spans: Sequence[PhaseSpan], *, objective: float = 1.0) -> sa.Select[Any]:
     """Layer one: the window's rows with the readiness facts re-derived from the task table (its signal,
     its due time for the latest attempt, the dependencies that completed after it was acted on), how many
-    dependencies are still not completed, and the type's phase at the first action.
+    dependencies are still not completed, the type's phase at the first action, and the phase in which the
+    event path owned the attempt from its readiness for at least the ``objective`` (:func:`_owned_at`).
 
     ``facts_ready`` is the readiness re-derived from those facts whenever the attempt was acted on before
     it (``early``); otherwise its dependency part is left out (no dependency came later), which is all the
@@ -353,7 +413,9 @@ def facts_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, t
         sa.select(*[c for c in per.c if c.name not in ("task_ref", "instance_id", "task_key")],
                   greatest(tt.dialect_name, parts).label("facts_ready"),
                   sa.func.coalesce(dv.c.unmet_deps, 0).label("unmet_deps"),
-                  _phase_at(engine, spans, per.c.workflow_type, per.c.first_at).label("phase"))
+                  _phase_at(engine, spans, per.c.workflow_type, per.c.first_at).label("phase"),
+                  _owned_at(engine, spans, per.c.workflow_type, per.c.instance_id, per.c.ready_at,
+                            objective).label("owned_phase"))
         .select_from(per.outerjoin(t, tt.col("id", t) == per.c.task_ref)
                      .outerjoin(dv, sa.and_(dv.c.instance_id == per.c.instance_id, dv.c.task_key == per.c.task_key,
                                             dv.c.attempt_key == _attempt_key(per.c.attempt))))
@@ -369,49 +431,86 @@ def _attempt_key(attempt: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
 def kinds_sql(engine: Engine, dialect_name: str, per: sa.FromClause, until: datetime, *, objective: float = 1.0,
               tolerance: float = 10.0, control: bool = False) -> sa.Select[Any]:
     """Layer two: each (task, attempt) of :func:`facts_sql` classified (see the module docstring), with its
-    path and latencies. ``control``: judge the legacy poller's own dispatches by the same rules
-    (``matched``, ``late``, ``early``, ``duplicate``), the noise floor before anyone blames the event path."""
+    path and latencies. Both judgements come out of one scan: ``event_kind`` (the event path judged) and
+    ``control_kind`` (the legacy poller's own dispatches judged by the same rules, the noise floor before
+    anyone blames the event path); ``kind`` is ``control_kind`` with ``control``, else ``event_kind``."""
     c = per.c
     d = dialect_name
-    event_at = c.poller_at if control else sa.func.coalesce(c.events_at, c.decision_at)
-    # Paired: the judged action has the dispatch it is compared with (an event-path dispatch is one; a
-    # shadow decision needs the legacy scheduler's). Only a paired attempt can be ``late``: a shadow
-    # decision nobody dispatched is ``extra`` however slow, so each attempt is counted in one kind only.
-    paired = c.poller_at.is_not(None) if control else sa.or_(c.events_at.is_not(None), c.dispatches > 0)
+    tolerance_ago = _tolerance_before(engine, until, tolerance)
+    objective_ms = objective * 1000.0
     # ``late`` is judged on the recorded readiness (both paths record the same readiness SQL; a foreign
     # scheduler's dispatches record none, so a matched attempt takes the shadow decision's).
-    event_ms = millis_between(d, c.ready_at, event_at)
-    tolerance_ago = _tolerance_before(engine, until, tolerance)
-    safety: list[tuple[sa.ColumnElement[bool], str]] = [
+    has_ready = c.ready_at.is_not(None)
+    early = sa.or_(c.unmet_deps > 0, sa.and_(c.facts_ready.is_not(None), c.first_at < c.facts_ready))
+
+    # The event path. Paired: the judged action has the dispatch it is compared with (an event-path
+    # dispatch is one; a shadow decision needs the legacy scheduler's). Only a paired attempt can be
+    # ``late``: a shadow decision nobody dispatched is ``extra`` however slow, so each attempt is counted in
+    # one kind only.
+    event_at = sa.func.coalesce(c.events_at, c.decision_at)
+    paired = sa.or_(c.events_at.is_not(None), c.dispatches > 0)
+    event_late = sa.and_(paired, event_at.is_not(None), has_ready,
+                         millis_between(d, c.ready_at, event_at) > objective_ms)
+    event_kind = sa.case(
         (c.dispatches > 1, "duplicate"),
-        (sa.or_(c.unmet_deps > 0, sa.and_(c.facts_ready.is_not(None), c.first_at < c.facts_ready)), "early"),
-        (sa.and_(paired, event_at.is_not(None), c.ready_at.is_not(None), event_ms > objective * 1000.0), "late"),
-    ]
-    if control:
-        kind = sa.case(*safety, (c.poller_at.is_not(None), "matched"), else_="events")
-    else:
-        kind = sa.case(
-            *safety,
-            (c.events_at.is_not(None), "matched"),
-            (sa.and_(c.decision_at.is_not(None), c.dispatches > 0), "matched"),
-            (c.decision_at.is_not(None), sa.case((c.decision_at >= tolerance_ago, "pending"), else_="extra")),
-            (c.fallback_at.is_not(None), "missing"),
-            (c.phase == "dual_write", "missing"),
-            else_="poller",
-        )
+        (early, "early"),
+        (sa.and_(event_late, c.events_at.is_not(None), _held_before(d, c)), "held"),
+        (event_late, "late"),
+        (c.events_at.is_not(None), "matched"),
+        (sa.and_(c.decision_at.is_not(None), c.dispatches > 0), "matched"),
+        (c.decision_at.is_not(None), sa.case((c.decision_at >= tolerance_ago, "pending"), else_="extra")),
+        (c.fallback_at.is_not(None), "missing"),
+        (c.phase == "dual_write", "missing"),
+        # An outage miss: the event path owned it at readiness (and for the objective after) and did not
+        # dispatch it; the poller took it only after a demotion. Counted as the poller's, the outage that
+        # caused the demotion would vanish from the evidence of the phase it happened in.
+        (c.owned_phase.is_not(None), "missing"),
+        else_="poller",
+    )
+
+    # The legacy poller judged by the same rules: only its own dispatches (what the event path or the
+    # fallback dispatched is no evidence about the poller: ``events``).
+    polled = c.poller_at.is_not(None)
+    control_kind = sa.case(
+        (sa.and_(polled, c.dispatches > 1), "duplicate"),
+        (sa.and_(polled, early), "early"),
+        (sa.and_(polled, has_ready, millis_between(d, c.ready_at, c.poller_at) > objective_ms), "late"),
+        (polled, "matched"),
+        else_="events",
+    )
     path = sa.case(
         (c.events_at.is_not(None), "events"), (c.fallback_at.is_not(None), "fallback"),
         (c.poller_at.is_not(None), "poller"), else_="decision",
     )
     action_at = sa.func.coalesce(c.events_at, c.fallback_at, c.poller_at, c.decision_at)
     return sa.select(
-        c.task_id, c.attempt, c.workflow_type, kind.label("kind"), path.label("path"),
+        c.task_id, c.attempt, c.workflow_type, (control_kind if control else event_kind).label("kind"),
+        event_kind.label("event_kind"), control_kind.label("control_kind"), path.label("path"),
         sa.type_coerce(millis_between(d, c.ready_at, c.poller_at), sa.Float).label("poller_ms"),
         sa.type_coerce(millis_between(d, c.ready_at, sa.func.coalesce(c.events_at, c.decision_at)),
                        sa.Float).label("events_ms"),
         sa.type_coerce(millis_between(d, c.ready_at, c.fallback_at), sa.Float).label("fallback_ms"),
         sa.type_coerce(millis_between(d, c.facts_ready, c.first_at), sa.Float).label("after_facts_ms"),
-        c.dispatches, c.phase, action_at.label("action_at"),
+        c.dispatches, c.phase, c.owned_phase, action_at.label("action_at"),
+    )
+
+
+def _held_before(dialect_name: str, c: Any) -> sa.ColumnElement[bool]:
+    """SQL: the event path's dispatch of this attempt followed a backpressure hold of it that was legitimate
+    up to the dispatch: begun before it, and either released by its holder (which dispatched it) or renewed
+    until at most ``HOLD_SLACK`` seconds before it (a stale hold, its holder dead, excuses nothing).
+
+    A correlated lookup by the holds table's primary key (the task id, as text), evaluated only for an
+    attempt that would otherwise be ``late``."""
+    h = holds.c
+    return sa.exists(
+        sa.select(sa.literal(1)).select_from(holds).where(
+            h.task_id == sa.cast(c.task_id, sa.String),
+            _attempt_key(h.attempt) == _attempt_key(c.attempt),
+            h.held_at <= c.events_at,
+            sa.or_(h.released_at.is_not(None),
+                   millis_between(dialect_name, h.until, c.events_at) <= HOLD_SLACK * 1000.0),
+        )
     )
 
 
@@ -420,7 +519,7 @@ def classify_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime
                  spans: Sequence[PhaseSpan] | None = None, control: bool = False) -> sa.Select[Any]:
     """Every layer as one statement: each (task, attempt) acted on in the window, classified."""
     spans = list(spans) if spans is not None else phase_spans(engine, types)
-    facts = facts_sql(engine, tt, since, until, types, spans).subquery("pb_facts")
+    facts = facts_sql(engine, tt, since, until, types, spans, objective=objective).subquery("pb_facts")
     return kinds_sql(engine, tt.dialect_name, facts, until, objective=objective, tolerance=tolerance, control=control)
 
 
@@ -465,7 +564,9 @@ def _tolerance_before(engine: Engine, until: datetime, tolerance: float) -> Any:
 
 def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float,
                 acted: sa.FromClause | None = None) -> sa.Select[Any]:
-    """Tasks ready now that no path dispatched: ``missing`` past the tolerance, else ``pending``.
+    """Tasks ready now that no path dispatched: ``on_hold`` under a legitimate backpressure hold
+    (:func:`bridge.tasktable.holds.legit_hold`: the event scheduler is waiting out a rate limit or its most
+    in flight, and will look again), else ``missing`` past the tolerance, else ``pending``.
 
     ``acted``: the window's classification (:func:`classified`); a ready task whose next attempt is in it
     (a shadow decision nobody dispatched yet: ``pending`` or ``extra`` there) is left out, so each task
@@ -473,7 +574,8 @@ def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float,
     t = tt.tasks
     src, workflow_type = tt.workflow_type_source(t)
     since = ready_since(tt, t)
-    kind = sa.case((sa.and_(since.is_not(None), since < db_ago(tt.dialect_name, tolerance)), "missing"),
+    kind = sa.case((legit_hold(tt.col("id", t), tt.dialect_name), "on_hold"),
+                   (sa.and_(since.is_not(None), since < db_ago(tt.dialect_name, tolerance)), "missing"),
                    else_="pending")
     task_id = sa.cast(tt.col("id"), sa.String)
     q = (sa.select(task_id.label("task_id"), workflow_type.label("workflow_type"),
@@ -527,14 +629,21 @@ def counts_from(conn: Connection, tt: TaskTable, kinds: sa.FromClause, *, types:
 
 
 def add_unacted(conn: Connection, tt: TaskTable, out: dict[str, dict[str, int]], *, types: Sequence[str] | None,
-                tolerance: float, control: bool, acted: sa.FromClause | None = None) -> None:
+                tolerance: float, control: bool, acted: sa.FromClause | None = None,
+                floor: dict[str, dict[str, int]] | None = None) -> None:
     """Add to ``out`` (type -> kind -> count) the tasks ready now that no path dispatched (see
-    :func:`count_by_type`), except those ``acted`` (the window's classification) already counts."""
+    :func:`count_by_type`), except those ``acted`` (the window's classification) already counts.
+
+    ``floor``: also add them, for every type, to the legacy path's counts (what ``--control`` counts), from
+    the same one query."""
     phases = current_phases(conn)
     unacted = unacted_sql(tt, types, tolerance, acted).subquery()
     for workflow_type, kind, n in conn.execute(
             sa.select(unacted.c.workflow_type, unacted.c.kind, sa.func.count())
             .group_by(unacted.c.workflow_type, unacted.c.kind)):
+        if floor is not None:
+            legacy = floor.setdefault(workflow_type or "", {})
+            legacy[kind] = legacy.get(kind, 0) + int(n)
         if not control and phases.get(workflow_type, "polling") == "polling":
             continue
         bucket = out.setdefault(workflow_type or "", {})

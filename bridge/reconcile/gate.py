@@ -10,9 +10,14 @@ scheduler's, so shadow decisions had nothing to be matched with), unless a safet
 Only matched evidence counts toward ``min_tasks``: attempts where the event path's action was matched with
 a dispatch (its own dispatch, or the legacy scheduler's dispatch its shadow decision matched), whether
 within the latency objective (``matched``) or past it (``late``: matched, and slow; only a paired attempt
-is ever ``late``). ``extra`` decisions, misses and unsafe actions are compared (the miss rate's
-denominator) but are no evidence that the event path works, so "N compared, 0 matched" never passes,
-however low ``min_tasks`` is set: at least one matched attempt is always needed.
+is ever ``late``; ``held``: its own dispatch, past the objective after a legitimate backpressure hold).
+``extra`` decisions, misses and unsafe actions are compared (the miss rate's denominator) but are no
+evidence that the event path works, so "N compared, 0 matched" never passes, however low ``min_tasks`` is
+set: at least one matched attempt is always needed.
+
+:data:`FLOOR` is no judgement at all: the verdict of a control report (``reconcile --control``), which
+measures the legacy poller (the noise floor) and is never judged by this gate; ``reconcile --gate
+--control`` is refused.
 
 :func:`unknown_types` is the one test of whether a name is a workflow type at all (a flag, or a task of
 that type): every command that takes a type refuses one that is not, before it reads or writes anything
@@ -42,6 +47,8 @@ FAIL = "fail"
 #: The verdict of a type with no compared task in the window: nothing to judge, so never a pass.
 NO_EVIDENCE = "no_evidence"
 VERDICTS = (PASS, FAIL, NO_EVIDENCE)
+#: The verdict of a control report and of each of its types: the legacy poller measured, not judged.
+FLOOR = "floor"
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,18 @@ def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSetti
     the ``min_tasks`` detail; the criterion itself needs no more than the matched count)."""
     missing = counts.get("missing", 0)
     late = counts.get("late", 0)
-    matched = counts.get("matched", 0) + late
+    held = counts.get("held", 0)
+    matched = counts.get("matched", 0) + late + held
     # At least one: a threshold below 1 must not let a type pass on zero matched attempts.
     min_tasks = max(1, int(threshold(flag, settings, "min_tasks")))
     budget = threshold(flag, settings, "miss_budget")
     upper = miss_rate_upper(missing, compared, settings.confidence)
     detail = f"{compared} compared task(s), need {min_tasks} matched: {matched} matched"
-    if late:
-        detail += f" ({late} of them late)"
+    notes = [f"{late} of them late"] if late else []
+    if held:
+        notes.append(f"{held} dispatched after a backpressure hold")
+    if notes:
+        detail += f" ({', '.join(notes)})"
     if dispatched == 0 and compared:
         detail += " (no dispatch observed in the window: nothing to match the shadow decisions with)"
     return (

@@ -1,9 +1,11 @@
 """The reconcile report as one self-contained HTML file: no script, no external asset, inline SVG charts.
 
-Per workflow type: the counts and verdict table (with the promotion each verdict judges), the latency
-CDF of both paths (log scale), and the actions over the window by path with the flag changes drawn
-(numbered, and listed under the chart) on the timeline; then the mismatches with their explanation.
-Every text that comes from the database is escaped.
+Per workflow type: the counts and verdict table (with the promotion each verdict judges), the noise floor
+(the legacy poller's late and missing share beside the event path's), the latency CDF of both paths (log
+scale), and the actions over the window by path with the flag changes drawn (numbered, and listed under the
+chart) on the timeline; then the mismatches with their explanation. Every text that comes from the database
+is escaped. A control report (``--control``) says in its heading that it measures the legacy poller, and its
+verdict ``floor`` is drawn neutral (blue-grey): neither the pass green nor the fail red.
 
 Made to be read, as checked in a browser (``tests/acceptance/test_report_html.py`` renders it in headless
 Chromium): every chart has a legend; chart text is monospace, so the layout can measure it, and flag
@@ -24,14 +26,23 @@ from bridge.core.phases import PHASES
 from bridge.core.settings import GateSettings
 from bridge.db.clock import as_utc
 from bridge.flags.store import FlagChange
-from bridge.reconcile.gate import FAIL, PASS
-from bridge.reconcile.report import HISTOGRAM_EDGES_MS, TIMELINE_BUCKETS, Report, TypeReport
+from bridge.reconcile.gate import FAIL, FLOOR, PASS
+from bridge.reconcile.report import (
+    HISTOGRAM_EDGES_MS,
+    TIMELINE_BUCKETS,
+    PathShare,
+    Report,
+    TypeReport,
+    duration_text,
+)
 
 COLORS = {"poller": "#d9822b", "events": "#2b7bd9", "fallback": "#c23030", "decision": "#6b6b6b"}
 PATH_LABELS = {"poller": "poller", "events": "event path", "fallback": "fallback/sweep",
                "decision": "shadow decision only"}
 PATH_ORDER = ("poller", "events", "decision", "fallback")
 MARKER = "#555"
+#: What the heading adds in a control report: it measures the legacy poller, it does not judge the event path.
+CONTROL_TITLE = " — control: the legacy poller&#39;s noise floor"
 
 W = 560                     # every chart's width
 LEFT, RIGHT = 52, W - 16    # the plot's x extent (y tick labels end left of LEFT)
@@ -53,6 +64,8 @@ text-align:right}th{background:#f3f3f3}td.l,th.l{text-align:left}td.nw{white-spa
 .v{font-weight:bold;padding:0 .3em;border-radius:3px}
 .v-pass{color:#1a7f37}.v-fail{color:#c23030}.v-open{color:#7a4d00;background:#fff1c2}
 .v-relaxed{color:#1a7f37;background:#fff1c2;outline:1px dashed #b7791f}
+.v-floor{color:#2c4a6b;background:#e4edf7}
+table.floor td.share{font-weight:bold}table.floor tr.legacy td{background:#fbf4ec}
 li.c-pass{color:#1a7f37}li.c-fail{color:#c23030}li.c-open{color:#7a4d00}
 .charts{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}
 svg{background:#fafafa;border:1px solid #ddd}svg text{font-family:ui-monospace,'DejaVu Sans Mono',monospace}
@@ -71,11 +84,12 @@ def render_html(report: Report, *, gates: GateSettings | None = None,
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>pollbridge reconcile {escape(window)}</title>",
         f"<style>{CSS}</style></head><body>",
-        f"<h1>pollbridge reconcile{' (control: the poller against itself)' if report.control else ''}</h1>",
+        f"<h1>pollbridge reconcile{CONTROL_TITLE if report.control else ''}</h1>",
         f"<p>Window {escape(window)} ({escape(_duration((report.until - report.since).total_seconds()))}). "
         f"Verdict: {_badge(report.verdict, report.verdict.upper())}</p>",
         f"<p class='note'>{escape(_judges_note(report, gates))}</p>",
         _summary_table(report, gates, overrides),
+        _floor_table(report, gates),
     ]
     for t in report.types:
         relaxed = _relaxed(t, gates, overrides.get(t.workflow_type, {}))
@@ -97,8 +111,9 @@ def render_html(report: Report, *, gates: GateSettings | None = None,
 
 # --- verdicts, thresholds, the promotion judged ----------------------------------------------------------
 def _style(verdict: str) -> str:
-    """``pass``, ``fail``, or ``open`` for any other verdict (``no_evidence``: not a failure, not a pass)."""
-    return {PASS: "pass", FAIL: "fail"}.get(verdict, "open")
+    """``pass``, ``fail``, ``floor`` (a control report: measured, not judged), or ``open`` for any other
+    verdict (``no_evidence``: not a failure, not a pass)."""
+    return {PASS: "pass", FAIL: "fail", FLOOR: "floor"}.get(verdict, "open")
 
 
 def _badge(verdict: str, text: str, style: str | None = None, why: str = "") -> str:
@@ -135,7 +150,7 @@ def _threshold(name: str, value: float) -> str:
 def _promotion(report: Report, t: TypeReport) -> str:
     """The promotion the type's verdict is the evidence for: from its phase at the window's end."""
     if report.control:
-        return "no promotion: the poller against itself (--control)"
+        return "no promotion: the legacy poller measured (--control), the floor the event path is compared against"
     if not t.criteria:
         return "nothing: the type was in polling the whole window (no event path to judge)"
     if t.phase not in PHASES:
@@ -151,7 +166,10 @@ def _promotion(report: Report, t: TypeReport) -> str:
 
 def _judges_note(report: Report, gates: GateSettings | None) -> str:
     if report.control:
-        return "Control: the legacy poller judged by the same rules against the task table; no promotion is judged."
+        return ("Control: the legacy poller's own dispatches judged by the same rules against the task table "
+                "(late past the objective, early, duplicate, and the ready tasks nobody dispatched). This is the "
+                "noise floor the event path is compared against: the verdict is 'floor', never pass or fail, and "
+                "no promotion gate applies.")
     text = ("Each verdict judges the promotion out of the type's phase at the window's end (the gate of "
             "`pollbridge flags set`), over the whole window: enough compared tasks, no early and no duplicate "
             "action, the upper confidence bound of the miss rate under the budget.")
@@ -179,8 +197,8 @@ def _criteria(t: TypeReport, gates: GateSettings | None, own: Mapping[str, float
 def _summary_table(report: Report, gates: GateSettings | None, overrides: Mapping[str, Mapping[str, float]]) -> str:
     head = ("<tr><th class='l'>type</th><th class='l'>phase → promotion judged</th><th class='l'>verdict</th>"
             "<th>tasks</th><th>compared</th><th>matched</th><th>missing</th><th>extra</th><th>duplicate</th>"
-            "<th>early</th><th>late</th><th>pending</th><th>poller p50/p99 ms</th><th>events p50/p99 ms</th>"
-            "<th>miss upper 95%</th></tr>")
+            "<th>early</th><th>late</th><th>held</th><th>pending</th><th>on hold</th><th>poller p50/p99 ms</th>"
+            "<th>events p50/p99 ms</th><th>miss upper 95%</th></tr>")
     rows = []
     for t in report.types:
         c = t.counts
@@ -191,10 +209,43 @@ def _summary_table(report: Report, gates: GateSettings | None, overrides: Mappin
             f"<td class='l nw'>{_verdict(t, relaxed, short=True)}</td>"
             f"<td>{sum(c.values())}</td><td>{t.compared}</td>"
             + "".join(f"<td>{c.get(k, 0)}</td>" for k in ("matched", "missing", "extra", "duplicate", "early",
-                                                          "late", "pending"))
+                                                          "late", "held", "pending", "on_hold"))
             + f"<td>{_p(t, 'poller')}</td><td>{_p(t, 'events')}</td>"
             f"<td>{f'{t.miss_rate_upper:.4%}' if t.compared else '-'}</td></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
+
+
+def _floor_table(report: Report, gates: GateSettings | None) -> str:
+    """The noise floor per type: the legacy poller's late and missing share (as ``--control`` judges it)
+    beside the event path's, each of what that path was judged on in the window."""
+    rows = []
+    for t in report.types:
+        shares = [("legacy", "poller (floor)", t.floor), ("events", "event path", t.event_path)]
+        if not any(share for _cls, _label, share in shares):
+            continue
+        for i, (cls, label, share) in enumerate(shares):
+            head = (f"<td class='l' rowspan='2'>{escape(t.workflow_type)}</td>" if i == 0 else "")
+            rows.append(f"<tr class='{cls}' data-type='{escape(t.workflow_type, quote=True)}' data-path='{cls}'>"
+                        f"{head}<td class='l'>{label}</td>{_share_cells(share)}</tr>")
+    if not rows:
+        return ""
+    objective = duration_text((gates or GateSettings()).objective * 1000.0)
+    head = ("<tr><th class='l'>type</th><th class='l'>path</th><th>judged</th><th>late</th><th>late share</th>"
+            "<th>missing</th><th>missing share</th><th>held</th><th>p50</th></tr>")
+    return (f"<h2>Noise floor beside the event path</h2><p class='note'>Late: past the objective ({objective}). "
+            "The legacy poller's row is its floor: its own dispatches and the ready tasks nobody dispatched, "
+            "judged as <code>--control</code> judges them. The event path's row is of its compared attempts; "
+            "held: dispatched past the objective after a backpressure hold, neither late nor a miss.</p>"
+            f"<table class='floor'>{head}{''.join(rows)}</table>")
+
+
+def _share_cells(share: PathShare | None) -> str:
+    if share is None:
+        return "<td colspan='7' class='l note'>nothing of this path judged in the window</td>"
+    p50 = duration_text(share.p50_ms) if share.p50_ms is not None else "-"
+    return (f"<td>{share.judged}</td><td>{share.late}</td><td class='share'>{share.late_share:.1%}</td>"
+            f"<td>{share.missing}</td><td class='share'>{share.missing_share:.1%}</td><td>{share.held}</td>"
+            f"<td>{escape(p50)}</td>")
 
 
 def _promotion_short(report: Report, t: TypeReport) -> str:
@@ -202,7 +253,7 @@ def _promotion_short(report: Report, t: TypeReport) -> str:
     if "→" in full:
         return full.replace(" (or a higher percentage)", " or more %")
     if report.control:
-        return t.phase
+        return f"{t.phase} (control: not judged)"
     return f"{t.phase} (holding)" if t.phase == "cutover" else f"{t.phase} (nothing to judge)"
 
 

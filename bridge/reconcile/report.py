@@ -8,12 +8,20 @@ compared task (in ``polling``, or idle) has the verdict ``no_evidence``, never `
 verdict is ``fail`` when a type fails, else ``no_evidence`` when a type (or the whole report) has no
 evidence, else ``pass``.
 
+Beside each type's counts, the *floor*: the legacy path's own late and missing share over the window (what
+``--control`` counts for it), next to the event path's (:class:`PathShare`), so a late share is read against
+what the old path did on the same traffic. A control report (``control``) is that floor: every verdict in it
+is ``floor`` (:data:`bridge.reconcile.gate.FLOOR`), never ``pass`` or ``fail``: the promotion gate does not
+apply to the legacy poller.
+
 The JSON form (:meth:`Report.to_json`) is a stable interface, documented in ``docs/reconcile.md``::
 
-    {"window": {"since", "until"}, "verdict": "pass"|"fail"|"no_evidence", "control": bool,
+    {"window": {"since", "until"}, "verdict": "pass"|"fail"|"no_evidence"|"floor", "control": bool,
      "types": [{"workflow_type", "phase", "phases": [{"phase", "since", "until"}], "tasks", "compared",
-                "matched", "missing", "extra", "duplicate", "early", "late", "pending", "poller",
+                "matched", "missing", "extra", "duplicate", "early", "late", "held", "pending", "on_hold", "poller",
                 "latency_ms": {"poller": {"p50","p90","p99","max","n"}, "events": {...}, "fallback": {...}},
+                "floor": {"path", "judged", "late", "missing", "held", "late_share", "missing_share", "p50_ms"}|null,
+                "event_path": {...the same...}|null,
                 "miss_rate_upper_95", "verdict", "failed_criteria": [...], "criteria": [{"name","passed","detail"}]}],
      "mismatches": [{"task_id", "workflow_type", "kind", "detail"}],
      "flag_changes": [{"workflow_type", "action", "actor", "reason", "old_phase", "new_phase", "changed_at", ...}]}
@@ -37,6 +45,7 @@ from bridge.db.engine import millis_between
 from bridge.flags.store import FlagChange, FlagStore
 from bridge.reconcile.classify import (
     COMPARED,
+    CONTROL_COMPARED,
     KINDS,
     PhaseSpan,
     TypeCounts,
@@ -49,7 +58,7 @@ from bridge.reconcile.classify import (
     phase_spans,
     unacted_sql,
 )
-from bridge.reconcile.gate import FAIL, NO_EVIDENCE, PASS, Criterion, judge, verdict_of
+from bridge.reconcile.gate import FAIL, FLOOR, NO_EVIDENCE, PASS, Criterion, judge, verdict_of
 from bridge.tasktable.tables import TaskTable
 
 #: Upper edges (ms) of the latency histogram drawn in the HTML report (a CDF on a log scale).
@@ -58,6 +67,42 @@ TIMELINE_BUCKETS = 60
 MISMATCH_KINDS = ("missing", "extra", "duplicate", "early", "late")
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PathShare:
+    """One path's late and missing share of what it was judged on in the window: the legacy poller's (the
+    floor, as ``--control`` judges it) or the event path's (its compared attempts)."""
+
+    path: str  # "poller" (the legacy path) or "events"
+    judged: int  # the legacy path: matched + late + missing + early + duplicate; the event path: compared
+    late: int
+    missing: int
+    held: int = 0  # the event path only: dispatched past the objective after a legitimate backpressure hold
+    p50_ms: float | None = None
+
+    @property
+    def late_share(self) -> float:
+        return self.late / self.judged if self.judged else 0.0
+
+    @property
+    def missing_share(self) -> float:
+        return self.missing / self.judged if self.judged else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "judged": self.judged, "late": self.late, "missing": self.missing,
+                "held": self.held, "late_share": round(self.late_share, 6),
+                "missing_share": round(self.missing_share, 6), "p50_ms": self.p50_ms}
+
+
+def path_share(path: str, counts: dict[str, int], latency: dict[str, dict[str, float | int]]) -> PathShare | None:
+    """``path``'s figures from its own classification's counts (None: nothing of it judged in the window)."""
+    judged = sum(counts.get(k, 0) for k in (CONTROL_COMPARED if path == "poller" else COMPARED))
+    if not judged:
+        return None
+    p50 = latency.get(path, {}).get("p50")
+    return PathShare(path, judged, counts.get("late", 0), counts.get("missing", 0),
+                     counts.get("held", 0) if path == "events" else 0, None if p50 is None else float(p50))
 
 
 @dataclass(frozen=True)
@@ -73,15 +118,24 @@ class TypeReport:
     timeline: dict[str, list[int]] = field(default_factory=dict)  # path -> dispatches per time bucket
     #: Compared attempts some path dispatched (None: not counted, as in a report built by hand).
     dispatched: int | None = None
+    #: A control report's type: the legacy poller judged, never by the promotion gate.
+    control: bool = False
+    #: The legacy path's late and missing share (the noise floor), and the event path's, over the window.
+    floor: PathShare | None = None
+    event_path: PathShare | None = None
 
     @property
     def compared(self) -> int:
-        return sum(self.counts.get(k, 0) for k in COMPARED)
+        """The counts' compared attempts: the event path's (:data:`COMPARED`), or in a control report the
+        legacy poller's (:data:`CONTROL_COMPARED`)."""
+        return sum(self.counts.get(k, 0) for k in (CONTROL_COMPARED if self.control else COMPARED))
 
     @property
     def verdict(self) -> str:
         """``pass``, ``fail`` or ``no_evidence`` (no compared task, or no dispatch observed):
-        :func:`bridge.reconcile.gate.verdict_of`."""
+        :func:`bridge.reconcile.gate.verdict_of`; ``floor`` in a control report (never judged)."""
+        if self.control:
+            return FLOOR
         return verdict_of(self.criteria, self.compared, self.dispatched)
 
     @property
@@ -99,6 +153,8 @@ class TypeReport:
         for kind in KINDS:
             out[kind] = self.counts.get(kind, 0)
         out["latency_ms"] = self.latency_ms
+        out["floor"] = self.floor.to_json() if self.floor else None
+        out["event_path"] = self.event_path.to_json() if self.event_path else None
         out["miss_rate_upper_95"] = round(self.miss_rate_upper, 6)
         out["verdict"] = self.verdict
         out["failed_criteria"] = [c.name for c in self.criteria if not c.passed]
@@ -129,7 +185,10 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        """``fail`` if a type fails, else ``no_evidence`` if a type has none (or there is no type), else ``pass``."""
+        """``fail`` if a type fails, else ``no_evidence`` if a type has none (or there is no type), else ``pass``;
+        ``floor`` for a control report, whatever it found: the legacy poller is measured, not judged."""
+        if self.control:
+            return FLOOR
         verdicts = {t.verdict for t in self.types}
         if FAIL in verdicts:
             return FAIL
@@ -176,11 +235,12 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
     with classified(engine, tt, since, until, types=types, objective=settings.objective,
                     tolerance=settings.tolerance, spans=spans, control=control) as (conn, kinds):
         step("counts, histograms and timelines")
-        grid = _grid(conn, engine, tt, kinds, since, until)
+        grid = _grid(conn, engine, tt, kinds, since, until, control)
         if ends_now:  # tasks nobody dispatched: never a dispatch observed
-            add_unacted(conn, tt, grid.counts, types=types, tolerance=settings.tolerance, control=control,
-                        acted=kinds)
-        counts = {name: TypeCounts(name, n, grid.dispatched.get(name, 0)) for name, n in sorted(grid.counts.items())}
+            add_unacted(conn, tt, grid.event_counts, types=types, tolerance=settings.tolerance, control=False,
+                        acted=kinds, floor=grid.floor_counts)
+        mode_counts = grid.floor_counts if control else grid.event_counts
+        counts = {name: TypeCounts(name, n, grid.dispatched.get(name, 0)) for name, n in sorted(mode_counts.items())}
         histograms, timelines = grid.histograms, grid.timelines
         step("latency percentiles")
         latency = latency_by_type(conn, kinds)
@@ -192,14 +252,18 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
         flag = stored.get(name) or Flag(name)
         raw = dict(counts[name].counts) if name in counts else {}
         dispatched = counts[name].dispatched if name in counts else 0
-        compared = sum(raw.get(k, 0) for k in COMPARED)
+        compared = sum(raw.get(k, 0) for k in (CONTROL_COMPARED if control else COMPARED))
         phases = _spans_in(spans, name, since, until)
-        judged = control or any(s.phase != "polling" for s in phases)
+        # The legacy poller (control) is never judged by the promotion gate: its report is a floor.
+        judged = not control and any(s.phase != "polling" for s in phases)
         criteria = judge(raw, compared, flag, settings, dispatched=dispatched) if judged else ()
+        lat = latency.get(name, {})
         reports.append(TypeReport(name, phases[-1].phase if phases else flag.phase, phases, raw,
-                                  latency.get(name, {}), criteria,
+                                  lat, criteria,
                                   miss_rate_upper(raw.get("missing", 0), compared, settings.confidence),
-                                  histograms.get(name, {}), timelines.get(name, {}), dispatched))
+                                  histograms.get(name, {}), timelines.get(name, {}), dispatched, control,
+                                  path_share("poller", grid.floor_counts.get(name, {}), lat),
+                                  path_share("events", grid.event_counts.get(name, {}), lat)))
     changes = tuple(c for c in store.history(limit=100_000)
                     if (not types or c.workflow_type in types) and since <= (as_utc(c.changed_at) or since) < until)
     return Report(since, until, tuple(reports), tuple(mismatches), changes, control, truncated)
@@ -209,10 +273,12 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
 class _Grid:
     """What one scan of the classification gives: counts per kind, latency histograms, actions over time."""
 
-    counts: dict[str, dict[str, int]] = field(default_factory=dict)  # type -> kind -> n
+    event_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # type -> event-path kind -> n
+    floor_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # type -> control kind -> n
     histograms: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # type -> path -> cumulative
     timelines: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # type -> path -> per bucket
-    dispatched: dict[str, int] = field(default_factory=dict)  # type -> compared attempts some path dispatched
+    #: type -> compared attempts (of the report's mode) some path dispatched
+    dispatched: dict[str, int] = field(default_factory=dict)
 
 
 def _latency_bucket(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
@@ -224,9 +290,10 @@ def _latency_bucket(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
 
 
 def _grid(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause, since: datetime,
-          until: datetime) -> _Grid:
-    """Counts, histograms and timelines in one scan of the classification: grouped by type, kind, path,
-    time bucket and each path's latency bucket (a few thousand groups at most), then added up here.
+          until: datetime, control: bool = False) -> _Grid:
+    """Counts, histograms and timelines in one scan of the classification: grouped by type, both kinds (the
+    event path's and the control's, for the floor beside it), path, time bucket and each path's latency
+    bucket (a few thousand groups at most), then added up here.
 
     Three scans (one per result) took 1.5 s at a million tasks; this one takes about a third of that."""
     c = kinds.c
@@ -238,7 +305,7 @@ def _grid(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause,
     # PostgreSQL's cast to integer rounds, SQLite's truncates: floor first, so a bucket is [start, end).
     position = offset * TIMELINE_BUCKETS / window_ms
     bucket = sa.cast(sa.func.floor(position) if tt.dialect_name == "postgresql" else position, sa.Integer)
-    keys = [c.workflow_type, c.kind, c.path, bucket,
+    keys = [c.workflow_type, c.event_kind, c.control_kind, c.path, bucket,
             _latency_bucket(c.poller_ms), _latency_bucket(c.events_ms), _latency_bucket(c.fallback_ms)]
     labelled = [k.label(f"k{i}") for i, k in enumerate(keys)]
     inner = sa.select(*labelled, sa.case((c.dispatches > 0, 1), else_=0).label("pb_dispatched")).subquery("pb_grid")
@@ -248,12 +315,14 @@ def _grid(conn: Connection, engine: Engine, tt: TaskTable, kinds: sa.FromClause,
     q = sa.select(*keyed, sa.func.count(), sa.func.sum(inner.c.pb_dispatched)).group_by(*keyed)
     grid = _Grid()
     width = len(HISTOGRAM_EDGES_MS) + 1
-    for name, kind, path, b, *buckets, n, with_dispatch in conn.execute(q):
+    for name, event_kind, control_kind, path, b, *buckets, n, with_dispatch in conn.execute(q):
         name = name or ""
         n = int(n)
-        per_type = grid.counts.setdefault(name, {})
-        per_type[kind] = per_type.get(kind, 0) + n
-        if kind in COMPARED:
+        for table, k in ((grid.event_counts, event_kind), (grid.floor_counts, control_kind)):
+            per_type = table.setdefault(name, {})
+            per_type[k] = per_type.get(k, 0) + n
+        kind = control_kind if control else event_kind
+        if kind in (CONTROL_COMPARED if control else COMPARED):
             grid.dispatched[name] = grid.dispatched.get(name, 0) + int(with_dispatch or 0)
         series = grid.timelines.setdefault(name, {}).setdefault(path, [0] * TIMELINE_BUCKETS)
         series[min(max(int(b or 0), 0), TIMELINE_BUCKETS - 1)] += n
@@ -270,8 +339,19 @@ def _ms(value: Any) -> str:
     return "?" if value is None else f"{float(value):.0f} ms"
 
 
-def _explain(row: Any, objective_ms: float) -> str:
+def duration_text(ms: float) -> str:
+    """A latency as a person reads it: ``850 ms``, ``1 s``, ``9.7 s``, ``125 s``."""
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms >= 100_000:
+        return f"{ms / 1000:.0f} s"
+    return f"{ms / 1000:.1f}".removesuffix(".0") + " s"
+
+
+def _explain(row: Any, objective_ms: float, control: bool = False) -> str:
     kind = row.kind
+    if control:
+        return _explain_control(row, objective_ms)
     if kind == "duplicate":
         return f"attempt {row.attempt} dispatched {row.dispatches} times (first by {row.path})"
     if kind == "early":
@@ -284,12 +364,30 @@ def _explain(row: Any, objective_ms: float) -> str:
     if row.path == "fallback":
         return (f"the poller's fallback dispatched it {_ms(row.fallback_ms)} after readiness: the event path "
                 "did not act within the grace period")
+    if row.path == "poller" and row.owned_phase is not None:
+        # An outage miss: the event path owned the task and the poller took it only after a demotion.
+        return (f"the event path owned it ({row.owned_phase} at readiness) and did not dispatch it; the poller "
+                f"dispatched it {_ms(row.poller_ms)} after readiness, once the type was back in {row.phase}")
     if row.path == "poller" and row.poller_ms is None:
         # A foreign scheduler's dispatch, captured from the task table: no ready time was recorded.
         return (f"the legacy scheduler dispatched attempt {row.attempt} (captured from the task table, no ready "
                 f"time recorded) while the type was in {row.phase}; the event path recorded no shadow decision")
     return (f"the poller dispatched it {_ms(row.poller_ms)} after readiness while the type was in {row.phase}; "
             "the event path recorded no shadow decision")
+
+
+def _explain_control(row: Any, objective_ms: float) -> str:
+    """A control mismatch names the path it judges, the legacy poller, with the latency it had."""
+    objective = duration_text(objective_ms)
+    if row.kind == "duplicate":
+        return f"the poller dispatched attempt {row.attempt}, which was dispatched {row.dispatches} times"
+    if row.kind == "early":
+        return (f"the poller dispatched it {duration_text(-(row.after_facts_ms or 0))} before its readiness: a "
+                "dependency, its due time or its signal came later")
+    if row.poller_ms is None:  # a foreign scheduler's dispatch records no ready time (never late, then)
+        return f"the poller dispatched attempt {row.attempt} (no ready time recorded) while the type was in {row.phase}"
+    return (f"the poller dispatched it {duration_text(row.poller_ms)} after readiness (objective {objective}) "
+            f"while the type was in {row.phase}")
 
 
 def _mismatches(conn: Connection, tt: TaskTable, kinds: sa.FromClause, types: Sequence[str] | None,
@@ -300,7 +398,7 @@ def _mismatches(conn: Connection, tt: TaskTable, kinds: sa.FromClause, types: Se
     out: list[Mismatch] = []
     for row in conn.execute(q):
         out.append(Mismatch(str(row.task_id), row.workflow_type or "", row.kind,
-                            _explain(row, settings.objective * 1000.0)))
+                            _explain(row, settings.objective * 1000.0, control)))
     if ends_now and len(out) <= limit:
         phases = current_phases(conn)
         unacted = unacted_sql(tt, types, settings.tolerance, kinds).subquery()
@@ -308,8 +406,11 @@ def _mismatches(conn: Connection, tt: TaskTable, kinds: sa.FromClause, types: Se
             phase = phases.get(row.workflow_type, "polling")
             if phase == "polling" and not control:
                 continue
-            out.append(Mismatch(str(row.task_id), row.workflow_type or "", "missing",
-                                f"ready for {_ms(row.waiting_ms)} and dispatched by no path (phase {phase})"))
+            waited = float(row.waiting_ms or 0)
+            detail = (f"ready for {duration_text(waited)} and the poller has not dispatched it (nor any path; "
+                      f"phase {phase})" if control
+                      else f"ready for {_ms(row.waiting_ms)} and dispatched by no path (phase {phase})")
+            out.append(Mismatch(str(row.task_id), row.workflow_type or "", "missing", detail))
     return out[:limit], len(out) > limit
 
 
