@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from bridge.core.settings import SchedulerSettings
 from bridge.db.schema import dispatch_log, review
 from bridge.flags.router import FlagRouter
 from bridge.flags.store import FlagStore
+from bridge.reconcile.explain import explain_task
+from bridge.reconcile.status import gather_status, status_metrics
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable import review as queue
 from bridge.tasktable.tables import TaskTable, reflect_tables
@@ -178,6 +181,23 @@ def test_without_a_review_status_a_parked_task_stays_pending_and_no_path_takes_i
     assert not again.dispatched and not again.stopped and [k for _, k, _, _ in again.timers] == ["due"]
     # Another scheduler with a far higher limit does not dispatch it either: parking is in the database.
     assert not _evaluator(engine, tt, max_depth=1000).evaluate(["held"]).dispatched
+    # Nor the safety sweep of a cutover type, however long past the grace period (before: the sweep
+    # dispatched every task the guard "held back", so the guard did nothing).
+    store = FlagStore(engine)
+    store.change("agents", "cutover", actor="t", reason="t", grace_seconds=0.001)
+    router = FlagRouter(store, refresh_interval=3600)
+    router.refresh()
+    with engine.begin() as conn:
+        conn.execute(tt.tasks.update().values(updated_at=datetime.now(UTC) - timedelta(seconds=60)))
+    assert LegacyPoller(engine, tt, router=router, registry=CollectorRegistry()).sweep_once().dispatched == 0
+    # The queue is in the status, its metrics and the answer of explain.
+    state = gather_status(engine)
+    agents = state.type("agents")
+    assert agents is not None and agents.parked == 1 and state.totals["parked"] == 1
+    samples = {m.name: m.samples for m in status_metrics(state)}
+    assert [(s.labels, s.value) for s in samples["pollbridge_review_parked"]] == [({"workflow_type": "agents"}, 1.0)]
+    story = explain_task(engine, tt, str(ids["deep"]), store=store)
+    assert story.answer.code == "held_for_review" and "causation depth 9 > max_depth 2" in story.answer.sentence
     with engine.begin() as conn:
         queue.decide(conn, tt, [str(ids["deep"])], "released", actor="bob", reason="ok")
     assert [t.task_key for t in evaluator.evaluate(["held"]).dispatched] == ["deep"]
