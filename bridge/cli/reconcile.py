@@ -125,13 +125,22 @@ def _gate_failure(report: Report) -> str:
     return text if failed else f"gate failed: {text}"
 
 
+#: The table's count columns (kind, header); the backpressure kinds only when a type has one, so the common
+#: report keeps its width.
+COUNT_COLUMNS = (("matched", "matched"), ("missing", "missing"), ("extra", "extra"), ("duplicate", "dup"),
+                 ("early", "early"), ("late", "late"), ("held", "held"), ("pending", "pending"),
+                 ("on_hold", "on hold"))
+HOLD_KINDS = ("held", "on_hold")
+
+
 def _table(report: Report) -> Table:
     title = f"reconcile {report.since:%Y-%m-%d %H:%M:%S} → {report.until:%H:%M:%S}"
     if report.control:
         title += " (control: the legacy poller judged, not the event path)"
-    table = Table("type", "phase", "tasks", "compared", "matched", "missing", "extra", "dup", "early", "late",
-                  "held", "pending", "on hold", "poller p50/p99", "events p50/p99", "miss ≤95%", "verdict",
-                  title=title)
+    held = any(t.counts.get(k, 0) for t in report.types for k in HOLD_KINDS)
+    columns = [(k, label) for k, label in COUNT_COLUMNS if held or k not in HOLD_KINDS]
+    table = Table("type", "phase", "tasks", "compared", *(label for _k, label in columns),
+                  "poller p50/p99", "events p50/p99", "miss ≤95%", "verdict", title=title)
     for t in report.types:
         c = t.counts
 
@@ -140,8 +149,7 @@ def _table(report: Report) -> Table:
             return f"{stats['p50']:.0f}/{stats['p99']:.0f} ms" if stats else "-"
 
         table.add_row(t.workflow_type, t.phase, str(sum(c.values())), str(t.compared),
-                      *(str(c.get(k, 0)) for k in ("matched", "missing", "extra", "duplicate", "early", "late",
-                                                   "held", "pending", "on_hold")),
+                      *(str(c.get(k, 0)) for k, _label in columns),
                       lat("poller"), lat("events"), f"{t.miss_rate_upper:.3%}" if t.compared else "-", t.verdict)
     return table
 

@@ -59,13 +59,13 @@ GATE_THRESHOLDS: dict[str, tuple[str, int]] = {"min_tasks": ("min_tasks", -1), "
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222}p{max-width:75em}
-table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 5px;
+table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 4px;
 text-align:right}th{background:#f3f3f3}td.l,th.l{text-align:left}td.nw{white-space:nowrap}
 .v{font-weight:bold;padding:0 .3em;border-radius:3px}
 .v-pass{color:#1a7f37}.v-fail{color:#c23030}.v-open{color:#7a4d00;background:#fff1c2}
 .v-relaxed{color:#1a7f37;background:#fff1c2;outline:1px dashed #b7791f}
 .v-floor{color:#2c4a6b;background:#e4edf7}
-table.floor td.share{font-weight:bold}table.floor tr.legacy td{background:#fbf4ec}
+table.floor td.share{font-weight:bold}table.floor tr.legacy td{background:#fbf4ec}code{white-space:nowrap}
 li.c-pass{color:#1a7f37}li.c-fail{color:#c23030}li.c-open{color:#7a4d00}
 .charts{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}
 svg{background:#fafafa;border:1px solid #ddd}svg text{font-family:ui-monospace,'DejaVu Sans Mono',monospace}
@@ -194,11 +194,20 @@ def _criteria(t: TypeReport, gates: GateSettings | None, own: Mapping[str, float
     return "<ul>" + "".join(items) + "</ul>"
 
 
+#: The summary table's count columns (kind, header); the backpressure kinds only when a type has one (two more
+#: columns pushed a report of long type names past a 1280 px window).
+SUMMARY_KINDS = (("matched", "matched"), ("missing", "missing"), ("extra", "extra"), ("duplicate", "duplicate"),
+                 ("early", "early"), ("late", "late"), ("held", "held"), ("pending", "pending"),
+                 ("on_hold", "on hold"))
+HOLD_KINDS = ("held", "on_hold")
+
+
 def _summary_table(report: Report, gates: GateSettings | None, overrides: Mapping[str, Mapping[str, float]]) -> str:
+    held = any(t.counts.get(k, 0) for t in report.types for k in HOLD_KINDS)
+    kinds = [(k, label) for k, label in SUMMARY_KINDS if held or k not in HOLD_KINDS]
     head = ("<tr><th class='l'>type</th><th class='l'>phase → promotion judged</th><th class='l'>verdict</th>"
-            "<th>tasks</th><th>compared</th><th>matched</th><th>missing</th><th>extra</th><th>duplicate</th>"
-            "<th>early</th><th>late</th><th>held</th><th>pending</th><th>on hold</th><th>poller p50/p99 ms</th>"
-            "<th>events p50/p99 ms</th><th>miss upper 95%</th></tr>")
+            "<th>tasks</th><th>compared</th>" + "".join(f"<th>{label}</th>" for _k, label in kinds)
+            + "<th>poller p50/p99 ms</th><th>events p50/p99 ms</th><th>miss upper 95%</th></tr>")
     rows = []
     for t in report.types:
         c = t.counts
@@ -208,8 +217,7 @@ def _summary_table(report: Report, gates: GateSettings | None, overrides: Mappin
             f"<td class='l nw'>{escape(_promotion_short(report, t))}</td>"
             f"<td class='l nw'>{_verdict(t, relaxed, short=True)}</td>"
             f"<td>{sum(c.values())}</td><td>{t.compared}</td>"
-            + "".join(f"<td>{c.get(k, 0)}</td>" for k in ("matched", "missing", "extra", "duplicate", "early",
-                                                          "late", "held", "pending", "on_hold"))
+            + "".join(f"<td>{c.get(k, 0)}</td>" for k, _label in kinds)
             + f"<td>{_p(t, 'poller')}</td><td>{_p(t, 'events')}</td>"
             f"<td>{f'{t.miss_rate_upper:.4%}' if t.compared else '-'}</td></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
@@ -244,7 +252,9 @@ def _share_cells(share: PathShare | None) -> str:
         return "<td colspan='7' class='l note'>nothing of this path judged in the window</td>"
     p50 = duration_text(share.p50_ms) if share.p50_ms is not None else "-"
     return (f"<td>{share.judged}</td><td>{share.late}</td><td class='share'>{share.late_share:.1%}</td>"
-            f"<td>{share.missing}</td><td class='share'>{share.missing_share:.1%}</td><td>{share.held}</td>"
+            f"<td>{share.missing}</td><td class='share'>{share.missing_share:.1%}</td>"
+            # Holds are the event scheduler's: the legacy path has none to count.
+            f"<td>{share.held if share.path == 'events' else '-'}</td>"
             f"<td>{escape(p50)}</td>")
 
 

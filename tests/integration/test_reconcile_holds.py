@@ -204,3 +204,25 @@ def test_the_text_report_shows_held_and_on_hold(drive: Drive, db_url: str) -> No
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     columns = [c.strip() for c in header.strip("┃ ").split("┃")]
     assert cells[columns.index("on hold")] == "1" and cells[columns.index("missing")] == "0"
+
+
+def test_the_html_with_the_hold_columns_and_the_floor_still_fits_the_window(tmp_path: Any) -> None:
+    """Rendered in headless Chromium (as ``tests/acceptance/test_report_html.py`` does): the summary's two
+    backpressure columns and the floor table leave the page no wider than a 1280 px window, in both modes."""
+    from dataclasses import replace
+
+    from bridge.reconcile.report import PathShare
+    from tests.acceptance.test_report_html import GATES as HTML_GATES
+    from tests.acceptance.test_report_html import RELAXED, _measure
+    from tests.acceptance.test_report_html import _report as busy_report
+
+    report = busy_report()
+    report = replace(report, types=tuple(
+        replace(t, counts={**t.counts, "held": 12, "on_hold": 3}, floor=PathShare("poller", 400, 388, 2, 0, 9700.0),
+                event_path=PathShare("events", 300, 3, 1, 12, 30.0)) for t in report.types))
+    for control in (False, True):
+        text = render_html(replace(report, control=control), gates=HTML_GATES, thresholds={"invoices": RELAXED})
+        assert "<th>on hold</th>" in text and "Noise floor beside the event path" in text
+        measured = _measure(text, tmp_path)
+        assert measured["overflow"] <= 0, f"the page is {measured['overflow']} px wider than the window"
+        assert "97.0%" in measured["text"] and "9.7 s" in measured["text"]
