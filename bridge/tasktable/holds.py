@@ -23,10 +23,10 @@ from bridge.db.engine import db_ago
 from bridge.db.schema import holds
 
 #: Seconds a hold stays legitimate past its ``until``: a live holder renews ``until`` at every look, and a
-#: look may come a little late (a slow batch, a garbage-collection pause, clock steps between processes:
-#: ``until`` is written by the database clock, so only the look's own delay counts). Ten seconds is far
-#: beyond a healthy scheduler's delay and short enough that a dead holder's tasks are taken within one
-#: grace period or two.
+#: look may come a little late (a slow batch, a garbage-collection pause), and ``until`` is computed on the
+#: holder's clock while it is judged by the database's, so a small skew between the two must not make a live
+#: hold look stale. Ten seconds is far beyond a healthy scheduler's delay and short enough that a dead
+#: holder's tasks are taken within one grace period or two.
 HOLD_SLACK = 10.0
 
 
