@@ -24,7 +24,7 @@ from sqlalchemy.engine import Dialect
 
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now, millis_between
-from bridge.db.schema import decisions, dispatch_log, holds, review
+from bridge.db.schema import decisions, dispatch_log, holds
 from bridge.tasktable.dispatch import ReadyTask
 from bridge.tasktable.queries import in_flight_statement, type_of_row
 from bridge.tasktable.readiness import (
@@ -34,6 +34,7 @@ from bridge.tasktable.readiness import (
     ready_since,
     skip_predicate,
 )
+from bridge.tasktable.review import review_state
 from bridge.tasktable.tables import TaskTable
 
 #: The statuses a task the legacy scheduler took is in afterwards: in a shadow phase its decision is still
@@ -178,9 +179,8 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
                 if tt.has(c)]
     # The review queue's word on a ready task (an index probe, only for the ready rows): 1 parked (no path
     # dispatches it), 2 released by a person (exempt from the guards), NULL neither.
-    state = (sa.select(sa.func.min(sa.case((review.c.decision.is_(None), 1), (review.c.decision == "released", 2))))
-             .where(review.c.task_id == sa.cast(tt.col("id", inner), sa.String)).scalar_subquery())
-    optional.append(sa.case((inner.c.pb_ready == 1, state), else_=sa.null()).label("review_state"))
+    optional.append(sa.case((inner.c.pb_ready == 1, review_state(tt.col("id", inner))), else_=sa.null())
+                    .label("review_state"))
     return (
         sa.select(
             tt.col("id", inner).label("task_id"), tt.col("instance_id", inner).label("instance_id"),

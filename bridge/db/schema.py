@@ -250,7 +250,7 @@ flag_audit = sa.Table(
 #: Ready tasks the event scheduler holds back by backpressure (``rate``, ``max_in_flight``; migration 0010):
 #: one row per task, written when a hold starts and renewed each time the scheduler looks again. A hold is
 #: *legitimate* while ``until`` (when its holder looks again) is less than ``HOLD_SLACK`` seconds past
-#: (:mod:`event_scheduler.holds`): then the poller's fallback and safety sweep leave the task alone, the
+#: (:mod:`bridge.tasktable.holds`): then the poller's fallback and safety sweep leave the task alone, the
 #: reconciler does not count it a miss and the guardian does not count it a failure. ``released_at`` is set
 #: when the holder dispatched the task; the row stays (the reconciler's evidence) until retention prunes it.
 holds = sa.Table(

@@ -48,6 +48,13 @@ def parked(task_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     return sa.exists().where(review.c.task_id == sa.cast(task_id, sa.String), review.c.decision.is_(None))
 
 
+def review_state(task_id: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    """The queue's word on the task whose id is ``task_id`` (an index probe): 1 parked, 2 released by a person
+    (exempt from the guards), NULL neither."""
+    return (sa.select(sa.func.min(sa.case((review.c.decision.is_(None), 1), (review.c.decision == "released", 2))))
+            .where(review.c.task_id == sa.cast(task_id, sa.String)).scalar_subquery())
+
+
 @dataclass(frozen=True)
 class Parking:
     """One task a guard stops: what it measured against which limit."""
