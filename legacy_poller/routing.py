@@ -11,7 +11,8 @@ scan's batch and starve the others.
 
 A task the event scheduler holds back by backpressure (a *legitimate* hold of ``pollbridge_holds``, renewed by
 a live scheduler: :func:`bridge.tasktable.holds.legit_hold`) is not a miss: neither the fallback nor the sweep
-takes it while the hold lasts; once its holder stops renewing it (the scheduler died), they do.
+takes it while the hold lasts; once its holder stops renewing it (the scheduler died), they do. A task a person
+released from the review queue gets its grace period again from the release.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from bridge.db.engine import db_ago
 from bridge.tasktable.holds import legit_hold
 from bridge.tasktable.queries import type_of_row
 from bridge.tasktable.readiness import ready_since
+from bridge.tasktable.review import released_within
 from bridge.tasktable.tables import TaskTable
 
 
@@ -53,7 +55,8 @@ def scan_filter(tt: TaskTable, t: sa.FromClause, type_expr: sa.ColumnElement[Any
     for flag in sorted((f for f in flags.values() if f.phase == "selective"), key=lambda f: f.workflow_type):
         since = ready_since(tt, t)
         within_grace = sa.and_(since.is_not(None), since > db_ago(tt.dialect_name, flag.grace_seconds))
-        waits = sa.or_(within_grace, legit_hold(tt.col("id", t), tt.dialect_name))
+        waits = sa.or_(within_grace, legit_hold(tt.col("id", t), tt.dialect_name),
+                       released_within(tt.col("id", t), tt.dialect_name, flag.grace_seconds))
         clauses.append(sa.not_(sa.and_(canary(tt, t, type_expr, flag), waits)))
     return sa.and_(*clauses) if clauses else None
 
@@ -66,7 +69,8 @@ def sweep_filter(tt: TaskTable, t: sa.FromClause, type_expr: sa.ColumnElement[An
         since = ready_since(tt, t)
         clauses.append(sa.and_(type_expr == flag.workflow_type,
                                sa.or_(since.is_(None), since <= db_ago(tt.dialect_name, flag.grace_seconds)),
-                               sa.not_(legit_hold(tt.col("id", t), tt.dialect_name))))
+                               sa.not_(legit_hold(tt.col("id", t), tt.dialect_name)),
+                               sa.not_(released_within(tt.col("id", t), tt.dialect_name, flag.grace_seconds))))
     return sa.or_(*clauses) if clauses else None
 
 

@@ -82,8 +82,11 @@ def list_cmd(ctx: click.Context, include_decided: bool, workflow_type: str | Non
         table.add_row(*(escape(str(v)) for v in row))
     Console(width=None if sys.stdout.isatty() else 200, highlight=False).print(table)
     parked = sum(1 for e in found if e.decision is None)
-    click.echo(f"{parked} parked; `pollbridge review release ID...` lets a task run, "
-               "`pollbridge review reject ID... --reason TEXT` fails it")
+    if parked:
+        click.echo(f"{parked} parked; `pollbridge review release ID...` lets a task run, "
+                   "`pollbridge review reject ID... --reason TEXT` fails it")
+    else:
+        click.echo("nothing parked now")
 
 
 def _decide(ctx: click.Context, task_ids: tuple[str, ...], decision: queue.Decision, actor: str | None,
@@ -99,9 +102,11 @@ def _decide(ctx: click.Context, task_ids: tuple[str, ...], decision: queue.Decis
         tables = reflect_tables(engine, components.settings.mapping)
         for task_id in task_ids:  # every id checked before any decision: bad input changes nothing
             parse_task_id(tables, task_id, ReviewError)
-        for task_id in dict.fromkeys(task_ids):
-            with engine.begin() as conn:  # one transaction per task: one bad id does not undo the others
-                outcomes.extend(queue.decide(conn, tables, [task_id], decision, actor=who, reason=reason.strip()))
+        store = components.flag_store(engine)
+        with engine.begin() as conn:  # each id in a savepoint of its own: one that fails leaves the others
+            outcomes = queue.decide(conn, tables, list(dict.fromkeys(task_ids)), decision, actor=who,
+                                    reason=reason.strip(), phase_of=lambda t: store.get(t or "").phase,
+                                    relay_partitions=components.settings.capture.relay_partitions)
     finally:
         engine.dispose()
     if as_json:
@@ -135,6 +140,6 @@ def release_cmd(ctx: click.Context, task_ids: tuple[str, ...], reason: str, acto
 @click.pass_context
 def reject_cmd(ctx: click.Context, task_ids: tuple[str, ...], reason: str, actor: str | None,
                as_json: bool) -> None:
-    """Fail parked tasks: each moves to the failed status (the platform's retries then apply as to any
-    failure)."""
+    """Fail parked tasks for good: each moves to the failed status with its attempts at their maximum, so no
+    retry brings it back."""
     _decide(ctx, task_ids, "rejected", actor, reason, as_json)

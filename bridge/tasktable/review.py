@@ -11,32 +11,38 @@ open row alone (:func:`parked`), whatever phase its type is in and whatever anot
 A person decides with ``pollbridge review``:
 
 * **release**: the row is closed as ``released`` (actor, time, reason); a task that was moved to ``review``
-  goes back to pending. A released task is exempt from the guards from then on (its retries included), so
-  it is not parked again at once; a task it spawns is judged on its own depth.
+  goes back to pending (a captured change); one left pending gets a wake-up row in pollbridge's own outbox,
+  so the event scheduler looks at it at once. For the poller's fallback and sweep the grace period starts
+  again at the release (:func:`released_within`). A released task is exempt from the guards from then on
+  (its retries included), so it is not parked again at once; a task it spawns is judged on its own depth. A
+  task someone already moved out of ``review`` by hand only has its entry closed.
 * **reject**: the row is closed as ``rejected`` and the task moves to the mapping's failed status for good,
   as a rejection signal does: its attempts set to its maximum where both are mapped (no retry brings it back),
   its completion time stamped where mapped.
 
-Each decision is one transaction: the row is closed only if it was still open and the task row is moved
-only if it is still where parking left it, so two people deciding at once cannot both win, and a task
-someone moved by hand is reported, not overwritten. The closed rows are the audit trail (``review list
---all``, ``explain``).
+Each decision is one savepoint: the row is closed only if it was still open and the task row is moved only
+if it is still where parking left it, so two people deciding at once cannot both win, and a task someone
+moved by hand is reported, not overwritten. A decision that must write the task table is refused while the
+type is in ``polling`` or ``dual_write`` (the legacy scheduler owns it then; pollbridge writes nothing to its
+table). The closed rows are the audit trail (``review list --all``, ``explain``), kept like the dispatch log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from bridge.core.errors import ReviewError
 from bridge.db.clock import as_utc
-from bridge.db.engine import db_now
-from bridge.db.schema import review
+from bridge.db.engine import db_ago, db_now
+from bridge.db.schema import outbox, review
 from bridge.tasktable.tables import TaskTable, parse_task_id
 
 Guard = Literal["depth", "dispatches"]
@@ -46,6 +52,13 @@ Decision = Literal["released", "rejected"]
 def parked(task_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     """The task whose id is ``task_id`` has an open row in the review queue (an index probe)."""
     return sa.exists().where(review.c.task_id == sa.cast(task_id, sa.String), review.c.decision.is_(None))
+
+
+def released_within(task_id: sa.ColumnElement[Any], dialect_name: str, seconds: float) -> sa.ColumnElement[bool]:
+    """A person released the task less than ``seconds`` ago: for the poller's fallback and sweep its grace
+    period starts again at the release (it waited for a person, not for the event path)."""
+    return sa.exists().where(review.c.task_id == sa.cast(task_id, sa.String), review.c.decision == "released",
+                             review.c.decided_at > db_ago(dialect_name, seconds))
 
 
 def review_state(task_id: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
@@ -119,10 +132,12 @@ def _entry(r: Any) -> ReviewEntry:
 def park(conn: Connection, tt: TaskTable, stops: Sequence[Parking], holder: str) -> list[Parking]:
     """Park ``stops`` inside the caller's transaction; return those parked by this call (a task already
     parked, by this or another process, is left as it is). With a review status the task row moves to it,
-    a compare-and-set on pending: a task that stopped being pending meanwhile is not parked at all."""
+    a compare-and-set on pending: a task that stopped being pending meanwhile is not parked at all. Two
+    processes parking the same task at once: the open-row unique index keeps one, the other inserts nothing."""
     done: list[Parking] = []
     review_value = tt.statuses.review
     now = db_now(tt.dialect_name)
+    insert_fn = postgresql.insert if tt.dialect_name == "postgresql" else sqlite.insert
     for stop in stops:
         if conn.execute(sa.select(review.c.id).where(review.c.task_id == str(stop.task_id),
                                                      review.c.decision.is_(None))).first() is not None:
@@ -137,11 +152,14 @@ def park(conn: Connection, tt: TaskTable, stops: Sequence[Parking], holder: str)
                                  .values(values)).rowcount == 1
             if not moved:
                 continue
-        conn.execute(review.insert().values(
+        inserted = conn.execute(insert_fn(review).values(
             task_id=str(stop.task_id), instance_id=str(stop.instance_id), workflow_type=stop.workflow_type,
             task_key=str(stop.task_key), attempt=stop.attempt, guard=stop.guard, measured=stop.measured,
-            limit_value=stop.limit, moved=moved, parked_at=now, parked_by=holder))
-        done.append(stop)
+            limit_value=stop.limit, moved=moved, parked_at=now, parked_by=holder)
+            .on_conflict_do_nothing(index_elements=[review.c.task_id], index_where=review.c.decision.is_(None))
+            .returning(review.c.id)).first()
+        if inserted is not None:  # (rowcount is no answer: PostgreSQL's INSERT ... RETURNING reports -1)
+            done.append(stop)
     return done
 
 
@@ -172,61 +190,111 @@ class Outcome:
     detail: str
 
 
+#: Phases in which pollbridge may write the task table (the event path dispatches): a decision that has to
+#: move a task row is refused in the others, where the legacy scheduler owns the type.
+WRITING_PHASES = ("selective", "cutover")
+
+
 def decide(conn: Connection, tt: TaskTable, task_ids: Sequence[str], decision: Decision, *, actor: str,
-           reason: str) -> list[Outcome]:
-    """Release or reject the parked tasks ``task_ids`` inside the caller's transaction (see the module doc)."""
+           reason: str, phase_of: Callable[[str | None], str] | None = None,
+           relay_partitions: int = 1) -> list[Outcome]:
+    """Release or reject the parked tasks ``task_ids`` inside the caller's transaction (see the module doc),
+    each in a savepoint of its own, so one that cannot be decided leaves the others decided.
+
+    ``phase_of``: the phase of a workflow type (the flag store's view); a decision that has to write the task
+    table is refused outside ``selective``/``cutover``. Releasing a task left pending writes nothing to the task
+    table: a wake-up row in pollbridge's own outbox (relay partition by ``relay_partitions``, as capture
+    computes it) brings its instance to the event scheduler at once."""
     out: list[Outcome] = []
     now = db_now(tt.dialect_name)
     keys = {task_id: _task_id_value(tt, task_id) for task_id in task_ids}  # bad input: nothing changed
     for task_id in task_ids:
-        row = conn.execute(sa.select(review).where(review.c.task_id == task_id, review.c.decision.is_(None))
-                           ).first()
-        if row is None:
-            last = conn.execute(sa.select(review.c.decision, review.c.decided_by)
-                                .where(review.c.task_id == task_id).order_by(review.c.id.desc()).limit(1)).first()
-            detail = (f"not parked (already {last.decision} by {last.decided_by})" if last is not None
-                      else "not in the review queue")
-            out.append(Outcome(task_id, False, detail))
-            continue
         key = keys[task_id]
-        values: dict[str, Any] = {}
-        if decision == "released":
-            source = "review" if row.moved else None
-            target = "pending"
-        else:
-            source = "review" if row.moved else "pending"
-            target = "failed"
-        if source is not None:
-            values[tt.mapping.columns.status] = tt.statuses.write(target)
-            stamped = ("updated_at",) if target == "pending" else ("completed_at", "updated_at")
-            if target == "failed" and tt.has("attempts") and tt.has("max_attempts"):
-                values[tt.mapping.columns.attempts or ""] = tt.col("max_attempts")
-            for logical in stamped:
-                if tt.has(logical):
-                    values[getattr(tt.mapping.columns, logical)] = now
-            moved = conn.execute(tt.tasks.update().where(tt.col("id") == key, tt.status_in(source))
-                                 .values(values)).rowcount
-            if moved != 1:
-                out.append(Outcome(task_id, False, f"the task is no longer {source!r} (moved by someone else?): "
-                                                   "left as it is, still parked"))
-                continue
-        closed = conn.execute(review.update().where(review.c.id == row.id, review.c.decision.is_(None)).values(
-            decision=decision, decided_at=now, decided_by=actor, decision_reason=reason)).rowcount
-        if closed != 1:  # another person decided between our read and our write: undo our part
-            raise ReviewError(f"task {task_id}: someone else decided it at the same moment; nothing changed")
-        what = "back to pending" if decision == "released" and row.moved else (
-            "moved to failed" if decision == "rejected" else "dispatchable again")
-        out.append(Outcome(task_id, True, f"{decision}: {what}"))
+        text = str(key)  # as the queue stores it ("01" finds task 1)
+        row = conn.execute(sa.select(review).where(review.c.task_id == text, review.c.decision.is_(None))).first()
+        if row is None:
+            out.append(Outcome(text, False, _not_parked(conn, tt, key, text)))
+            continue
+        status = conn.execute(sa.select(tt.col("status")).where(tt.col("id") == key)).first()
+        logical = tt.statuses.logical(status[0]) if status is not None else None
+        phase = phase_of(row.workflow_type) if phase_of is not None else "cutover"
+        with conn.begin_nested() as savepoint:
+            outcome = _decide_one(conn, tt, row, key, text, logical, decision, phase, now, relay_partitions)
+            if outcome.done:
+                closed = conn.execute(review.update().where(review.c.id == row.id, review.c.decision.is_(None))
+                                      .values(decision=decision, decided_at=now, decided_by=actor,
+                                              decision_reason=reason)).rowcount
+                if closed != 1:  # another person decided between our read and our write: undo our part
+                    savepoint.rollback()
+                    outcome = Outcome(text, False, "someone else decided it at the same moment; left as they did")
+            else:
+                savepoint.rollback()
+        out.append(outcome)
     return out
+
+
+def _decide_one(conn: Connection, tt: TaskTable, row: Any, key: Any, text: str, logical: str | None,
+                decision: Decision, phase: str, now: Any, relay_partitions: int) -> Outcome:
+    """The task-table part of one decision (inside its savepoint); ``done`` False: nothing may be closed."""
+    if logical is None:
+        return Outcome(text, False, "the task row is gone or has a status the mapping does not know; still parked")
+    source: tuple[str, ...] = ()
+    if decision == "released":
+        if logical == "review" and row.moved:
+            source, target = ("review",), "pending"
+        elif logical == "pending" and not row.moved:
+            _wake(conn, tt, row, relay_partitions)
+            return Outcome(text, True, "released: dispatchable again (its instance is looked at at once)")
+        else:  # someone moved it meanwhile (back to pending by hand, or on): the entry only needs closing
+            return Outcome(text, True, f"released: the task is {logical} already, left as it is; entry closed")
+    else:
+        if logical not in ("review", "pending"):
+            return Outcome(text, False, f"the task is {logical} now, not waiting: not rejected "
+                                        f"(`pollbridge review release {text}` closes the entry)")
+        source, target = ("review", "pending"), "failed"
+    if phase not in WRITING_PHASES:
+        return Outcome(text, False, f"its type {row.workflow_type} is in {phase}: the legacy scheduler owns it and "
+                                    f"pollbridge writes nothing to the task table in that phase; move the task "
+                                    f"yourself, then `pollbridge review release {text}` closes the entry")
+    values: dict[str, Any] = {tt.mapping.columns.status: tt.statuses.write(target)}
+    stamped = ("updated_at",) if target == "pending" else ("completed_at", "updated_at")
+    if target == "failed" and tt.has("attempts") and tt.has("max_attempts"):
+        values[tt.mapping.columns.attempts or ""] = tt.col("max_attempts")  # no retry brings it back
+    for logical_column in stamped:
+        if tt.has(logical_column):
+            values[getattr(tt.mapping.columns, logical_column)] = now
+    moved = conn.execute(tt.tasks.update().where(tt.col("id") == key, tt.status_in(*source))
+                         .values(values)).rowcount
+    if moved != 1:
+        return Outcome(text, False, "the task moved at the same moment; still parked, look again")
+    what = "back to pending" if decision == "released" else "failed for good (attempts at their maximum)"
+    return Outcome(text, True, f"{decision}: {what}")
+
+
+def _not_parked(conn: Connection, tt: TaskTable, key: Any, text: str) -> str:
+    if conn.execute(sa.select(tt.col("id")).where(tt.col("id") == key)).first() is None:
+        return f"no such task in {tt.mapping.table} (`pollbridge review list` shows the parked ones)"
+    last = conn.execute(sa.select(review.c.decision, review.c.decided_by)
+                        .where(review.c.task_id == text).order_by(review.c.id.desc()).limit(1)).first()
+    if last is not None:
+        return f"not parked (already {last.decision} by {last.decided_by})"
+    return "not in the review queue (`pollbridge review list` shows the parked tasks)"
+
+
+def _wake(conn: Connection, tt: TaskTable, row: Any, relay_partitions: int) -> None:
+    """A captured-change row in pollbridge's own outbox for a released task left pending: the relay publishes
+    it like any change, so the event scheduler evaluates the instance now instead of at its next re-check."""
+    pending = tt.statuses.pending
+    partition: Any = 0
+    if tt.dialect_name == "postgresql" and relay_partitions > 1:
+        partition = sa.func.mod(sa.func.hashtext(sa.literal(str(row.instance_id))).op("&")(2147483647),
+                                relay_partitions)
+    conn.execute(outbox.insert().values(
+        event_id=str(uuid.uuid4()), task_id=str(row.task_id), instance_id=str(row.instance_id),
+        workflow_type=row.workflow_type, task_key=str(row.task_key), change="status", old_status=pending,
+        new_status=pending, trace_id=uuid.uuid4().hex, relay_partition=partition,
+        created_at=db_now(tt.dialect_name), attempt=row.attempt))
 
 
 def _task_id_value(tt: TaskTable, task_id: str) -> Any:
     return parse_task_id(tt, task_id, ReviewError)
-
-
-def released_ids(conn: Connection, task_ids: Sequence[str]) -> set[str]:
-    """Which of ``task_ids`` a person released (exempt from the guards)."""
-    if not task_ids:
-        return set()
-    return {str(v) for v in conn.execute(sa.select(review.c.task_id).where(
-        review.c.task_id.in_(list(task_ids)), review.c.decision == "released")).scalars()}

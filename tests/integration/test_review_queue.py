@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 from bridge.core.mapping import StatusValues, TaskColumns, TaskTableMapping
 from bridge.core.phases import FixedRouter
 from bridge.core.settings import SchedulerSettings
-from bridge.db.schema import dispatch_log, review
+from bridge.db.schema import dispatch_log, outbox, review
 from bridge.flags.router import FlagRouter
 from bridge.flags.store import FlagStore
 from bridge.reconcile.explain import explain_task
@@ -276,18 +276,65 @@ def test_review_cli(engine: Engine) -> None:
     ids = _seed(engine, tt, "cli", ["deep", "deeper"], depth={"deep": 7, "deeper": 8})
     _evaluator(engine, tt, max_depth=2).evaluate(["cli"])
     url = engine.url.render_as_string(hide_password=False)
+    # The type has no flag (polling): a decision that writes the task table is refused, nothing changes.
+    refused = _cli(url, "review", "reject", str(ids["deep"]), "--reason", "no")
+    assert refused.returncode == 1 and "is in polling" in refused.stdout, refused.stdout + refused.stderr
+    assert _status(engine, tt, "cli") == {"deep": "review", "deeper": "review"}
+    FlagStore(engine).change("agents", "cutover", actor="t", reason="t")
     listed = _cli(url, "review", "list")
     assert listed.returncode == 0, listed.stderr
     assert "causation depth 7 > max_depth 2" in listed.stdout and "2 parked" in listed.stdout
+    unknown = _cli(url, "review", "release", "424242")
+    assert unknown.returncode == 1 and "no such task" in unknown.stdout
     bad = _cli(url, "review", "release", "not-a-number")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr, bad.stderr
     no_reason = _cli(url, "review", "reject", str(ids["deep"]))
     assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
     done = _cli(url, "review", "reject", str(ids["deep"]), "--reason", "runaway agent", "--actor", "erin")
     assert done.returncode == 0 and f"task {ids['deep']}: rejected" in done.stdout, done.stdout + done.stderr
-    mixed = _cli(url, "review", "release", str(ids["deeper"]), str(ids["deep"]), "--actor", "erin")
+    mixed = _cli(url, "review", "release", "0" + str(ids["deeper"]), str(ids["deep"]), "--actor", "erin")
     assert mixed.returncode == 1
     assert f"task {ids['deeper']}: released" in mixed.stdout and "already rejected by erin" in mixed.stdout
     trail = _cli(url, "review", "list", "--all", "--json")
     assert trail.returncode == 0
     assert "runaway agent" in trail.stdout and '"decided_by": "erin"' in trail.stdout
+
+
+def test_a_release_restarts_the_fallbacks_grace_and_wakes_the_scheduler(engine: Engine) -> None:
+    """Released from the queue (no review status: the task stayed pending, long ready), the task is not taken at
+    once by the poller's fallback as an event-path miss; a wake-up row in the outbox brings its instance to
+    the event scheduler."""
+    tt = _tables(engine, review_status=False)
+    ids = _seed(engine, tt, "wake", ["deep"], depth={"deep": 9})
+    store = FlagStore(engine)
+    store.change("agents", "selective", actor="t", reason="t", grace_seconds=30)
+    router = FlagRouter(store, refresh_interval=3600)
+    router.refresh()
+    assert _evaluator(engine, tt, router, max_depth=2).evaluate(["wake"]).stopped
+    with engine.begin() as conn:  # ready for a minute: past the fallback's grace
+        conn.execute(tt.tasks.update().values(updated_at=datetime.now(UTC) - timedelta(seconds=60)))
+        [outcome] = queue.decide(conn, tt, [str(ids["deep"])], "released", actor="a", reason="ok",
+                                 phase_of=lambda t: "selective")
+    assert outcome.done
+    assert LegacyPoller(engine, tt, router=router, registry=CollectorRegistry()).scan_once().dispatched == 0
+    with engine.connect() as conn:
+        woken = conn.execute(sa.select(outbox.c.instance_id, outbox.c.change, outbox.c.published_at)
+                             .where(outbox.c.task_id == str(ids["deep"]))).all()
+    # (the insert's own captured row is there too: this database has the capture triggers)
+    assert [(w.instance_id, w.change, w.published_at) for w in woken if w.change != "insert"] == \
+        [("wake", "status", None)]
+    assert [t.task_key for t in _evaluator(engine, tt, router).evaluate(["wake"]).dispatched] == ["deep"]
+
+
+def test_a_task_moved_by_hand_is_not_stuck_in_the_queue(engine: Engine) -> None:
+    tt = _tables(engine)
+    ids = _seed(engine, tt, "hand", ["a", "b"], depth={"a": 9, "b": 9})
+    _evaluator(engine, tt, max_depth=2).evaluate(["hand"])
+    with engine.begin() as conn:  # someone puts both back to pending by hand
+        conn.execute(tt.tasks.update().where(tt.tasks.c.instance_id == "hand").values(status="pending"))
+    with engine.begin() as conn:
+        [released] = queue.decide(conn, tt, [str(ids["a"])], "released", actor="p", reason="r")
+        [rejected] = queue.decide(conn, tt, [str(ids["b"])], "rejected", actor="p", reason="r")
+    assert released.done and "pending already" in released.detail
+    assert rejected.done and _status(engine, tt, "hand") == {"a": "pending", "b": "failed"}
+    assert not [e for e in _queue(engine) if e.decision is None]
