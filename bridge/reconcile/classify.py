@@ -26,7 +26,8 @@ attempt once, in one kind:
                still legitimate at it: released by its holder, or renewed until at most ``HOLD_SLACK``
                seconds before). Waiting out a rate limit or the most in flight is the scheduler doing its
                job: compared, and matched evidence toward ``min_tasks`` like ``matched``, but never late
-               and never a miss;
+               and never a miss. Likewise a task the depth guard parked and a person released before the
+               dispatch (it waited for the person);
 ``on_hold``    ready at the window's end, not dispatched, and under a legitimate hold: nobody's miss
                (the fallback and the sweep leave it alone too); not compared, as ``pending``. A hold that
                went stale (its holder died) is no excuse: that task is ``missing`` past the tolerance, and
@@ -66,9 +67,10 @@ from sqlalchemy.engine import Connection, Engine
 from bridge.core.phases import percent_threshold
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_ago, db_now, millis_between, read_only
-from bridge.db.schema import decisions, dispatch_log, flag_audit, flags, holds
+from bridge.db.schema import decisions, dispatch_log, flag_audit, flags, holds, review
 from bridge.tasktable.holds import HOLD_SLACK, legit_hold
 from bridge.tasktable.readiness import greatest, ready_predicate, ready_since
+from bridge.tasktable.review import parked
 from bridge.tasktable.tables import TaskTable
 
 KINDS = ("matched", "missing", "extra", "duplicate", "early", "late", "held", "pending", "on_hold", "poller")
@@ -502,8 +504,12 @@ def _held_before(dialect_name: str, c: Any) -> sa.ColumnElement[bool]:
 
     A correlated lookup by the holds table's primary key (the task id, as text), evaluated only for an
     attempt that would otherwise be ``late``."""
-    h = holds.c
-    return sa.exists(
+    h, r = holds.c, review.c
+    # A task the depth guard parked waited for a person, not for the event path: released before this
+    # dispatch, its wait is no lateness either.
+    released = sa.exists(sa.select(sa.literal(1)).select_from(review).where(
+        r.task_id == sa.cast(c.task_id, sa.String), r.decision == "released", r.decided_at <= c.events_at))
+    return sa.or_(sa.exists(
         sa.select(sa.literal(1)).select_from(holds).where(
             h.task_id == sa.cast(c.task_id, sa.String),
             _attempt_key(h.attempt) == _attempt_key(c.attempt),
@@ -511,7 +517,7 @@ def _held_before(dialect_name: str, c: Any) -> sa.ColumnElement[bool]:
             sa.or_(h.released_at.is_not(None),
                    millis_between(dialect_name, h.until, c.events_at) <= HOLD_SLACK * 1000.0),
         )
-    )
+    ), released)
 
 
 def classify_sql(engine: Engine, tt: TaskTable, since: datetime, until: datetime, *,
@@ -564,7 +570,8 @@ def _tolerance_before(engine: Engine, until: datetime, tolerance: float) -> Any:
 
 def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float,
                 acted: sa.FromClause | None = None) -> sa.Select[Any]:
-    """Tasks ready now that no path dispatched: ``on_hold`` under a legitimate backpressure hold
+    """Tasks ready now that no path dispatched (a task parked in the review queue is nobody's: left out):
+    ``on_hold`` under a legitimate backpressure hold
     (:func:`bridge.tasktable.holds.legit_hold`: the event scheduler is waiting out a rate limit or its most
     in flight, and will look again), else ``missing`` past the tolerance, else ``pending``.
 
@@ -581,7 +588,9 @@ def unacted_sql(tt: TaskTable, types: Sequence[str] | None, tolerance: float,
     q = (sa.select(task_id.label("task_id"), workflow_type.label("workflow_type"),
                    kind.label("kind"), since.label("ready_at"),
                    millis_between(tt.dialect_name, since, db_now(tt.dialect_name)).label("waiting_ms"))
-         .select_from(src).where(ready_predicate(tt, t)))
+         .select_from(src).where(ready_predicate(tt, t),
+                                 # parked in the review queue: it waits for a person, not for a path
+                                 sa.not_(parked(tt.col("id")))))
     if acted is not None:
         # A pending row's next dispatch is attempt attempts + 1, whenever the counter moves.
         attempt = (tt.col("attempts") + 1) if tt.has("attempts") else sa.null()

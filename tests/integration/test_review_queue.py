@@ -30,6 +30,7 @@ from bridge.core.settings import SchedulerSettings
 from bridge.db.schema import dispatch_log, outbox, review
 from bridge.flags.router import FlagRouter
 from bridge.flags.store import FlagStore
+from bridge.reconcile.classify import count_by_type
 from bridge.reconcile.explain import explain_task
 from bridge.reconcile.status import gather_status, status_metrics
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
@@ -338,3 +339,26 @@ def test_a_task_moved_by_hand_is_not_stuck_in_the_queue(engine: Engine) -> None:
     assert released.done and "pending already" in released.detail
     assert rejected.done and _status(engine, tt, "hand") == {"a": "pending", "b": "failed"}
     assert not [e for e in _queue(engine) if e.decision is None]
+
+
+def test_the_reconciler_judges_no_path_for_a_parked_task(engine: Engine) -> None:
+    """Parked (no review status: still pending and ready), the task is no path's miss; released and then
+    dispatched long after its readiness, its wait was the person's, so it is ``held``, never ``late``."""
+    tt = _tables(engine, review_status=False)
+    ids = _seed(engine, tt, "rc", ["deep"], depth={"deep": 9})
+    store = FlagStore(engine)
+    store.change("agents", "cutover", actor="t", reason="t")
+    router = FlagRouter(store, refresh_interval=3600)
+    router.refresh()
+    evaluator = _evaluator(engine, tt, router, max_depth=2)
+    assert evaluator.evaluate(["rc"]).stopped
+    with engine.begin() as conn:  # ready a minute ago: past any tolerance
+        conn.execute(tt.tasks.update().values(updated_at=datetime.now(UTC) - timedelta(seconds=60)))
+    since = datetime.now(UTC) - timedelta(hours=1)
+    counts = count_by_type(engine, tt, since, datetime.now(UTC) + timedelta(seconds=1), tolerance=10.0)
+    assert counts.get("agents") is None or counts["agents"]["missing"] == 0  # before: missing 1, verdict fail
+    with engine.begin() as conn:
+        queue.decide(conn, tt, [str(ids["deep"])], "released", actor="p", reason="ok")
+    assert [t.task_key for t in evaluator.evaluate(["rc"]).dispatched] == ["deep"]
+    counts = count_by_type(engine, tt, since, datetime.now(UTC) + timedelta(seconds=1), tolerance=10.0)
+    assert (counts["agents"]["held"], counts["agents"]["late"], counts["agents"]["missing"]) == (1, 0, 0)
