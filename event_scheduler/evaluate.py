@@ -504,8 +504,8 @@ class Evaluator:
         the reconciler and the guardian know the wait is legitimate while this process keeps renewing it."""
         now = datetime.now(UTC)
         rows = [{"task_id": str(t.task_id), "instance_id": t.instance_id, "workflow_type": t.workflow_type,
-                 "task_key": str(t.task_key), "attempt": t.attempt, "reason": reason,
-                 "until": now + timedelta(seconds=wait), "holder": self.holder} for t, reason, wait in holds]
+                 "task_key": str(t.task_key), "attempt": t.attempt, "reason": reason, "holder": self.holder,
+                 "pb_wait": wait if self._pg else f"+{wait:.3f} seconds"} for t, reason, wait in holds]
         with self.engine.begin() as wconn:
             wconn.execute(self.queries.hold, rows)
         new: dict[str | None, int] = defaultdict(int)

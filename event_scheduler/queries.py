@@ -222,10 +222,18 @@ def spawn_depth_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
 
 def hold_statement(dialect_name: str) -> sa.Insert:
     """Record backpressure holds (executemany rows ``task_id, instance_id, workflow_type, task_key, attempt,
-    reason, until, holder``): a new hold starts at the database's now, a renewed one keeps its start and gets
-    the new ``until`` (a hold of an earlier attempt, or one already released, starts again)."""
+    reason, holder`` and ``pb_wait``: seconds until the holder looks again; on SQLite the text of a date
+    modifier, ``"+1.000 seconds"``): a new hold starts at the database's now, a renewed one keeps its start;
+    ``until`` is the database's now plus the wait, by the same clock the poller and the reconciler compare it
+    with (a host clock behind the database's would make every hold look stale at once). A hold of an earlier
+    attempt, or one already released, starts again."""
     insert_fn = postgresql.insert if dialect_name == "postgresql" else sqlite.insert
-    stmt = insert_fn(holds).values(held_at=db_now(dialect_name))
+    if dialect_name == "postgresql":
+        until: sa.ColumnElement[Any] = sa.func.clock_timestamp() + sa.func.make_interval(
+            0, 0, 0, 0, 0, 0, sa.bindparam("pb_wait", type_=sa.Float))
+    else:
+        until = sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", sa.bindparam("pb_wait", type_=sa.String))
+    stmt = insert_fn(holds).values(held_at=db_now(dialect_name), until=until)
     fresh = sa.or_(holds.c.released_at.is_not(None),
                    holds.c.attempt.is_distinct_from(stmt.excluded.attempt))
     return stmt.on_conflict_do_update(index_elements=[holds.c.task_id], set_={

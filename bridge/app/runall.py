@@ -27,6 +27,7 @@ from bridge.bus.base import EventBus
 from bridge.core.phases import EventRouter, FixedRouter
 from bridge.core.settings import Settings
 from bridge.db.engine import StatementCounter, check_connection
+from bridge.db.migrate import require_head
 from bridge.flags.router import FlagRouter
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from legacy_poller.runner import PollerRunner
@@ -84,6 +85,7 @@ class Stack:
         c = self.components
         main = self._engine("router")
         check_connection(main)
+        require_head(main)
         tables: TaskTable = reflect_tables(main, s.mapping)
         self.tables = tables
         self.router = c.flag_router(main, registry=self.registry).start()

@@ -47,6 +47,7 @@ from bridge.core.runtime import enable_stack_dumps, settle_heap
 from bridge.core.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL
 from bridge.core.urls import bus_scheme, mask_url
 from bridge.db.engine import check_connection
+from bridge.db.migrate import require_head
 
 
 @click.group(cls=PollbridgeGroup, context_settings={"show_default": True, "max_content_width": 110})
@@ -398,6 +399,7 @@ def poller_run(ctx: click.Context, interval: float | None, sweep_interval: float
     router = None
     try:
         check_connection(engine)
+        require_head(engine)
         tables = reflect_tables(engine, settings.mapping)
         registry = CollectorRegistry()
         if metrics_port is not None:
@@ -499,6 +501,7 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
     bus = None
     try:
         check_connection(engine)
+        require_head(engine)
         bus = components.bus(engine)
         registry = CollectorRegistry()
         if metrics_port is not None:
@@ -564,6 +567,7 @@ def scheduler_run(ctx: click.Context, metrics_port: int | None, phase: str | Non
     flag_router: FlagRouter | None = None
     try:
         check_connection(engine)
+        require_head(engine)
         tables = reflect_tables(engine, settings.mapping)
         bus = components.bus(engine)
         registry = CollectorRegistry()

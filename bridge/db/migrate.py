@@ -68,6 +68,21 @@ def current_revision(engine: Engine) -> str | None:
         return context.get_current_revision()
 
 
+def require_head(engine: Engine) -> None:
+    """Refuse to run a long-lived component on pollbridge tables of another version: code that expects a table
+    an older schema lacks would fail every cycle (a poller whose every scan fails is no safety net)."""
+    from bridge.core.errors import SchemaNotInstalled
+
+    current, head = current_revision(engine), head_revision()
+    if current == head:
+        return
+    if current is None:
+        raise SchemaNotInstalled("pollbridge is not installed in this database: run `pollbridge init` first")
+    raise SchemaNotInstalled(f"pollbridge's tables are at migration {current}, this version needs {head}: run "
+                             "`pollbridge init` (it upgrades them in place and leaves the scheduler's tables alone), "
+                             "then start this again")
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
     from alembic import command
 

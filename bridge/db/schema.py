@@ -252,7 +252,7 @@ flag_audit = sa.Table(
 #: *legitimate* while ``until`` (when its holder looks again) is less than ``HOLD_SLACK`` seconds past
 #: (:mod:`bridge.tasktable.holds`): then the poller's fallback and safety sweep leave the task alone, the
 #: reconciler does not count it a miss and the guardian does not count it a failure. ``released_at`` is set
-#: when the holder dispatched the task; the row stays (the reconciler's evidence) until retention prunes it.
+#: when the holder dispatched the task; the row stays (the reconciler's evidence), like the dispatch log's.
 holds = sa.Table(
     "pollbridge_holds",
     metadata,

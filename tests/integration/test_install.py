@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
@@ -91,3 +96,22 @@ def test_init_refuses_a_view_as_the_capture_target_and_creates_nothing(empty_db_
         assert result.capture_installed
     finally:
         engine.dispose()
+
+
+def test_long_lived_components_refuse_an_older_schema(tmp_path: Path) -> None:
+    """Code upgraded without `pollbridge init`: the poller (the safety net) would fail every scan on a table the
+    old schema lacks; it refuses to start instead, in one line naming the fix, and starts after `init`."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = create_engine(url)
+    install.init(engine, demo_schema=True)
+    command.downgrade(migrate.alembic_config(engine), "0009")
+    engine.dispose()
+    exe = str(Path(sys.executable).with_name("pollbridge"))
+    env = {"POLLBRIDGE_DATABASE_URL": url, "PATH": "/usr/bin:/bin"}
+    for args in (["poller", "run", "--interval", "0.1"], ["scheduler", "run"], ["relay", "run"]):
+        ran = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60, env=env)
+        assert ran.returncode == 1, (args, ran.stderr)
+        assert ran.stderr.strip().count("\n") == 0 and "run `pollbridge init`" in ran.stderr, ran.stderr
+        assert "at migration 0009" in ran.stderr
+    assert subprocess.run([exe, "init"], capture_output=True, text=True, timeout=120, env=env).returncode == 0
+    assert migrate.current_revision(create_engine(url)) == migrate.head_revision()
