@@ -47,10 +47,12 @@ def _age(since: datetime, now: datetime) -> str:
 
 
 @review.command("list")
-@click.option("--all", "include_decided", is_flag=True, help="Also the decided entries (the audit trail).")
-@click.option("--type", "workflow_type", default=None, help="Only this workflow type.")
+@click.option("--all", "include_decided", is_flag=True, envvar="POLLBRIDGE_REVIEW_ALL", show_envvar=True,
+              help="Also the decided entries (the audit trail).")
+@click.option("--type", "workflow_type", default=None, envvar="POLLBRIDGE_REVIEW_TYPE", show_envvar=True,
+              help="Only this workflow type.")
 @click.option("--limit", type=click.IntRange(1, 100_000), default=1000, show_default=True,
-              help="Most entries to show.")
+              envvar="POLLBRIDGE_REVIEW_LIMIT", show_envvar=True, help="Most entries to show.")
 @JSON_OPTION
 @click.pass_context
 def list_cmd(ctx: click.Context, include_decided: bool, workflow_type: str | None, limit: int, as_json: bool) -> None:
@@ -121,7 +123,8 @@ def _decide(ctx: click.Context, task_ids: tuple[str, ...], decision: queue.Decis
 
 @review.command("release")
 @click.argument("task_ids", nargs=-1, required=True)
-@click.option("--reason", default="released after review", show_default=True, help="Why (recorded).")
+@click.option("--reason", default="released after review", show_default=True, envvar="POLLBRIDGE_REVIEW_REASON",
+              show_envvar=True, help="Why (recorded).")
 @ACTOR_OPTION
 @JSON_OPTION
 @click.pass_context
@@ -134,7 +137,8 @@ def release_cmd(ctx: click.Context, task_ids: tuple[str, ...], reason: str, acto
 
 @review.command("reject")
 @click.argument("task_ids", nargs=-1, required=True)
-@click.option("--reason", required=True, help="Why the task must not run (recorded).")
+@click.option("--reason", required=True, envvar="POLLBRIDGE_REVIEW_REASON", show_envvar=True,
+              help="Why the task must not run (recorded).")
 @ACTOR_OPTION
 @JSON_OPTION
 @click.pass_context
