@@ -50,8 +50,12 @@ Decision = Literal["released", "rejected"]
 
 
 def parked(task_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
-    """The task whose id is ``task_id`` has an open row in the review queue (an index probe)."""
-    return sa.exists().where(review.c.task_id == sa.cast(task_id, sa.String), review.c.decision.is_(None))
+    """The task whose id is ``task_id`` has an open row in the review queue.
+
+    An ``IN`` over the open rows rather than a correlated ``EXISTS``: PostgreSQL reads the (few) open rows once
+    per statement into a hash and looks each candidate up in it (a hashed SubPlan), where a probe of the
+    index per row cost the batch dispatch about 15 µs a task (``bench.guards_cost``)."""
+    return sa.cast(task_id, sa.String).in_(sa.select(review.c.task_id).where(review.c.decision.is_(None)))
 
 
 def released_within(task_id: sa.ColumnElement[Any], dialect_name: str, seconds: float) -> sa.ColumnElement[bool]:
