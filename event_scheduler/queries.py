@@ -26,7 +26,7 @@ from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now, millis_between
 from bridge.db.schema import decisions, dispatch_log, holds
 from bridge.tasktable.dispatch import ReadyTask
-from bridge.tasktable.queries import in_flight_statement, type_of_row
+from bridge.tasktable.queries import in_flight_statement, in_ids, spawn_depth_statement, type_of_row
 from bridge.tasktable.readiness import (
     greatest,
     latest_dependency_completion,
@@ -46,14 +46,6 @@ TAKEN_STATUSES = ("dispatched", "running", "completed", "failed")
 #: *because of* them: the legacy scheduler's dispatch time and a dependency's completion time may come
 #: from different hosts' clocks (a foreign scheduler's workers stamp the completion themselves).
 TAKEN_CLOCK_SKEW_MS = 1000.0
-
-
-def in_ids(column: sa.ColumnElement[Any], pg: bool) -> sa.ColumnElement[bool]:
-    """``column`` is one of the ``ids`` parameter: ``= ANY(array)`` on PostgreSQL (one SQL text whatever
-    the number of ids), an expanding ``IN`` elsewhere."""
-    if pg:
-        return column == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(column.type)))
-    return column.in_(sa.bindparam("ids", expanding=True))
 
 
 def instance_in_ids(tt: TaskTable, pg: bool, table: sa.FromClause | None = None) -> sa.ColumnElement[bool]:
@@ -200,24 +192,6 @@ def dispatch_count_statement(pg: bool) -> sa.Select[Any]:
     return (sa.select(dispatch_log.c.instance_id, sa.func.count())
             .where(in_ids(dispatch_log.c.instance_id, pg))
             .group_by(dispatch_log.c.instance_id))
-
-
-def spawn_depth_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
-    """The depth guard with ``mapping.columns.spawned_by``: rows ``(task_id, depth)`` for the task ids in the
-    ``ids`` parameter, the depth being the length of the chain of spawning tasks, followed at most ``cap``
-    links (a parameter: ``max_depth`` + 1, so a cycle or a very deep chain costs a bounded walk)."""
-    t = tt.tasks
-    start = (sa.select(tt.col("id").label("task_id"), tt.col("spawned_by").label("parent"),
-                       sa.literal(0, sa.Integer).label("depth"))
-             .where(in_ids(tt.col("id"), pg)).cte("pb_chain", recursive=True))
-    up = t.alias("pb_up")
-    chain = start.union_all(
-        sa.select(start.c.task_id, tt.col("spawned_by", up), start.c.depth + 1)
-        .select_from(start.join(up, tt.col("id", up) == start.c.parent))
-        .where(start.c.depth < sa.bindparam("cap", type_=sa.Integer)))
-    # A link whose spawning row is gone still counts: the task was spawned, whatever happened to its parent.
-    counted = sa.case((chain.c.parent.is_(None), chain.c.depth), else_=chain.c.depth + 1)
-    return sa.select(chain.c.task_id, sa.func.max(counted).label("depth")).group_by(chain.c.task_id)
 
 
 def hold_statement(dialect_name: str) -> sa.Insert:

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.base import EventBus
 from bridge.bus.factory import open_bus
@@ -35,6 +35,7 @@ from bridge.rollout.checks import CheckResult
 from bridge.rollout.doctor import run_doctor
 from bridge.rollout.guardian import Guardian
 from bridge.rollout.preflight import PreflightReport, run_preflight
+from bridge.tasktable.queries import spawn_depths
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from legacy_poller.poller import LegacyPoller
@@ -113,9 +114,17 @@ class Components:
     def relay(self, engine: Engine, bus: EventBus, *, partition: int = 0,
               registry: CollectorRegistry | None = None) -> Relay:
         s = self.settings
+        depth_of: Callable[[Connection, list[str]], dict[str, int]] | None = None
+        if s.mapping.columns.spawned_by:  # events carry the depth derived from the spawning chain
+            tables = reflect_tables(engine, s.mapping)
+
+            def spawned_depths(conn: Connection, task_ids: list[str]) -> dict[str, int]:
+                return spawn_depths(conn, tables, task_ids)
+
+            depth_of = spawned_depths
         return Relay(engine, bus, s.relay, statuses=s.mapping.statuses, partition=partition,
                      wake=s.capture.wake, registry=registry,  # type: ignore[arg-type]
-                     foreign=s.mapping if s.legacy.foreign else None)
+                     foreign=s.mapping if s.legacy.foreign else None, depth_of=depth_of)
 
     def wal_capture(self, engine: Engine, bus: EventBus) -> WalCapture:
         """The write-ahead-log capture (``[capture] mode = "wal"``), run by the relay of partition 0."""

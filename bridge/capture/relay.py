@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -108,6 +108,15 @@ def _depth(value: Any) -> int:
     return value if isinstance(value, int) and value > 0 else 0
 
 
+def _with_depth(payload: str, depth: int) -> str:
+    """The event JSON with its ``depth`` attribute set (only for a depth above 0: the payload has 0 already)."""
+    if depth <= 0:
+        return payload
+    event = json.loads(payload)
+    event["depth"] = depth
+    return json.dumps(event, separators=(",", ":"))
+
+
 def describe_statuses(statuses: StatusValues) -> str:
     """Every stored value the mapping knows, by logical status (for a dead letter's reason)."""
     parts = []
@@ -131,11 +140,14 @@ class Relay:
         registry: CollectorRegistry | None = None,
         leadership: Leadership | None = None,
         foreign: TaskTableMapping | None = None,
+        depth_of: Callable[[Connection, list[str]], dict[str, int]] | None = None,
     ) -> None:
         self.engine = engine
         #: The mapping of a scheduler pollbridge did not write (``[legacy] kind = "foreign"``): its dispatches
         #: are recorded from the captured transitions, in the transaction that marks them published.
         self.foreign = foreign
+        #: ``mapping.columns.spawned_by``: the causation depth of captured tasks, by task id (one query a batch).
+        self.depth_of = depth_of
         self.bus = bus
         self.settings = settings
         self.statuses = statuses
@@ -187,6 +199,12 @@ class Relay:
                     raise EventFormatError(f"outbox row {row.id}: not publishable")
                 except EventFormatError as exc:
                     dead.append((row, str(exc)))
+            if self.depth_of is not None and good:
+                # ``mapping.columns.spawned_by``: the capture trigger cannot know the depth (a walk up the chain
+                # inside the scheduler's write); one query per batch here, and the events carry it.
+                depths = self.depth_of(conn, [str(r.task_id) for r in good])
+                events = [encoded_event(r.event_id, r.instance_id, r.task_id,
+                                        _with_depth(r.payload, depths.get(str(r.task_id), 0))) for r in good]
             if self.foreign is not None and good:
                 # Before the publish: a database error here happens before anything reached the bus.
                 record_foreign_dispatches(conn, self.foreign, good)

@@ -70,6 +70,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import discard
 from bridge.db.schema import capture_state as capture_state_table
 from bridge.db.schema import outbox
+from bridge.tasktable.queries import spawn_depths
 from bridge.tasktable.tables import TaskTable
 
 log = logging.getLogger(__name__)
@@ -511,6 +512,10 @@ class WalCapture:
             try:
                 with conn.begin():
                     self._fill_types(conn, rows)
+                    if self.tables.has("spawned_by"):  # the causation depth the events carry, from the chain
+                        depths = spawn_depths(conn, self.tables, [r["task_id"] for r in rows])
+                        for r in rows:
+                            r["depth"] = depths.get(r["task_id"], r.get("depth"))
                     params = {f"pb_{n}": [r[n] for r in rows] for n in (
                         "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
                         "new_status", "attempt", "depth", "trace_id", "created_at")}

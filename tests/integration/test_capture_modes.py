@@ -196,10 +196,12 @@ def test_composite_keys_a_null_status_and_the_attempt(request: pytest.FixtureReq
         c.close()
 
 
+@pytest.mark.parametrize("source", ["depth", "spawned_by"])
 @pytest.mark.parametrize("mode", MODES)
-def test_the_causation_depth_travels_on_the_event(request: pytest.FixtureRequest, tmp_path: Path, mode: str) -> None:
-    """With ``mapping.columns.depth`` the captured row's depth is the CloudEvent's ``depth`` (it was 0 on every
-    event before), in both capture modes; a NULL depth is 0."""
+def test_the_causation_depth_travels_on_the_event(request: pytest.FixtureRequest, tmp_path: Path, mode: str,
+                                                  source: str) -> None:
+    """With ``mapping.columns.depth`` the captured row's depth, with ``spawned_by`` the length of its spawning
+    chain, is the CloudEvent's ``depth`` (it was 0 on every event before), in both capture modes."""
     kind, _, dialect = mode.partition("-")
     url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
            else str(request.getfixturevalue("pg_empty_url")))
@@ -208,26 +210,35 @@ def test_the_causation_depth_travels_on_the_event(request: pytest.FixtureRequest
     setup = create_engine(url)
     with setup.begin() as conn:
         create_demo_schema(conn)
-        conn.execute(sa.text("ALTER TABLE tasks ADD COLUMN depth INTEGER"))
+        conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {source} INTEGER"))
     setup.dispose()
-    c = Capture(url, kind, TaskTableMapping.from_dict({"columns": {"depth": "depth"}}))
+    c = Capture(url, kind, TaskTableMapping.from_dict({"columns": {source: source}}))
     try:
         t = c.tables.tasks
         with c.engine.begin() as conn:
             conn.execute(c.tables.instances.insert().values(id="d1", workflow_type="agents"))  # type: ignore[union-attr]
-            conn.execute(t.insert(), [{"instance_id": "d1", "task_key": "spawned", "depends_on": [], "depth": 3},
-                                      {"instance_id": "d1", "task_key": "root", "depends_on": [], "depth": None}])
+            root = conn.execute(t.insert().values(instance_id="d1", task_key="root", depends_on=[])
+                                .returning(t.c.id)).scalar_one()
+            child = conn.execute(t.insert().values(instance_id="d1", task_key="child", depends_on=[],
+                                                   **{source: 1 if source == "depth" else root})
+                                 .returning(t.c.id)).scalar_one()
+            conn.execute(t.insert().values(instance_id="d1", task_key="grandchild", depends_on=[],
+                                           **{source: 2 if source == "depth" else child}))
         rows = c.rows("d1")
-        assert sorted((r.task_key, r.depth) for r in rows) == [("root", None), ("spawned", 3)]
+        assert len(rows) == 3
         group = "depth-test"
         c.bus.ensure_group(group)
         if c.streamer is None:  # trigger mode: the relay publishes the outbox rows
             from bridge.capture.relay import Relay
             from bridge.core.settings import RelaySettings
+            from bridge.tasktable.queries import spawn_depths
 
-            Relay(c.engine, c.bus, RelaySettings(), statuses=c.tables.mapping.statuses).publish_batch()
+            tables = c.tables
+            Relay(c.engine, c.bus, RelaySettings(), statuses=tables.mapping.statuses,
+                  depth_of=(lambda conn, ids: spawn_depths(conn, tables, ids)) if source == "spawned_by" else None
+                  ).publish_batch()
         events = [d.event for d in c.bus.read(group, "t", {0, 1}, 10, 0.5)]
-        assert sorted((e.data["task_key"], e.depth) for e in events) == [("root", 0), ("spawned", 3)]
+        assert sorted((e.data["task_key"], e.depth) for e in events) == [("child", 1), ("grandchild", 2), ("root", 0)]
     finally:
         c.close()
 
