@@ -17,13 +17,15 @@ import sys
 from datetime import UTC, datetime
 
 import click
+import sqlalchemy as sa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from bridge.cli.common import JSON_OPTION, WholeHelpGroup, components_of
 from bridge.core.errors import ReviewError
-from bridge.db.engine import check_connection, read_only
+from bridge.db.clock import as_utc
+from bridge.db.engine import check_connection, db_now, read_only
 from bridge.rollout.promotion import default_actor
 from bridge.tasktable import review as queue
 from bridge.tasktable.tables import parse_task_id, reflect_tables
@@ -62,6 +64,8 @@ def list_cmd(ctx: click.Context, include_decided: bool, workflow_type: str | Non
         check_connection(engine)
         with read_only(engine).connect() as conn:
             found = queue.entries(conn, include_decided=include_decided, workflow_type=workflow_type, limit=limit)
+            # Ages by the database's clock, the one that stamped parked_at.
+            now = as_utc(conn.execute(sa.select(db_now(engine.dialect.name))).scalar_one()) or datetime.now(UTC)
     finally:
         engine.dispose()
     if as_json:
@@ -70,7 +74,6 @@ def list_cmd(ctx: click.Context, include_decided: bool, workflow_type: str | Non
     if not found:
         click.echo("the review queue is empty" + ("" if include_decided else " (nothing parked)"))
         return
-    now = datetime.now(UTC)
     table = Table(box=None, pad_edge=False)
     for name in ("task", "instance", "key", "type", "why", "parked", "by"):
         table.add_column(name)
