@@ -1,6 +1,6 @@
 """Write-ahead-log capture against trigger capture: the scheduler's write path, and what the relay costs per change.
 
-    python -m bench.wal_capture [--rounds 3] [--seconds 10] [--rows 100000] [--json F] [--quick]
+    python -m bench.wal_capture [--rounds 3] [--seconds 10] [--rows 100000] [--configs A,B] [--json F] [--quick]
 
 Needs ``wal_level = logical`` (``.ci/run`` sets it). One scratch database with the reference schema and
 ``--rows`` tasks; Redis for the relay's bus (a namespace of its own, deleted at the end).
@@ -13,7 +13,10 @@ Needs ``wal_level = logical`` (``.ci/run`` sets it). One scratch database with t
    * ``trigger``: the capture triggers (wake = poll), no relay: the trigger's own cost;
    * ``wal``: the publication and the slot, nothing reading: what logical decoding adds to the writes;
    * ``trigger + relay``: the triggers and ``pollbridge relay run`` (wake = adaptive) draining to Redis;
-   * ``wal + relay``: ``pollbridge relay run`` with ``[capture] mode = "wal"`` streaming the slot to Redis.
+   * ``wal + relay``: ``pollbridge relay run`` with ``[capture] mode = "wal"`` streaming the slot to Redis;
+   * ``wal full`` and ``wal full + relay``: the same with the task table's ``REPLICA IDENTITY FULL`` (every
+     update logs the whole old row: what pollbridge would cost if it asked for the old status from the log
+     instead of remembering the values it saw; pollbridge itself never alters the scheduler's table).
 
    Before every run: the outbox emptied, ``VACUUM ANALYZE``, ``CHECKPOINT``. Reported per configuration and
    client count: tps of every round, the median, and the change of the median against the baseline's.
@@ -49,7 +52,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 
-CONFIGS = ("baseline", "trigger", "wal", "trigger + relay", "wal + relay")
+CONFIGS = ("baseline", "trigger", "wal", "wal full", "trigger + relay", "wal + relay", "wal full + relay")
 #: Seconds for the statistics to settle around a measuring window (see cost_per_change).
 SETTLE = 8.0
 
@@ -70,6 +73,9 @@ def _set_capture(url: str, config: str) -> None:
         else:
             install.init(engine, mapping=TaskTableMapping(),
                          capture=CaptureSettings(wake="adaptive" if "relay" in config else "poll"))
+        with engine.begin() as conn:  # the bench's own table: pollbridge never alters the scheduler's
+            identity = "FULL" if "full" in config else "DEFAULT"
+            conn.execute(sa.text(f"ALTER TABLE tasks REPLICA IDENTITY {identity}"))
         with engine.begin() as conn:
             conn.execute(sa.text("UPDATE pollbridge_relay_state SET armed = false, holder = NULL"))
     finally:
@@ -101,10 +107,11 @@ def _xacts(url: str) -> int:
                             "WHERE datname = current_database()"))
 
 
-def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str) -> dict[str, Any]:
-    tps: dict[str, dict[int, list[float]]] = {c: {1: [], 8: []} for c in CONFIGS}
+def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
+               configs: tuple[str, ...] = CONFIGS) -> dict[str, Any]:
+    tps: dict[str, dict[int, list[float]]] = {c: {1: [], 8: []} for c in configs}
     for round_no in range(rounds):
-        order = CONFIGS if round_no % 2 == 0 else tuple(reversed(CONFIGS))
+        order = configs if round_no % 2 == 0 else tuple(reversed(configs))
         for config in order:
             _set_capture(url, config)
             mode = "wal" if config.startswith("wal") else "trigger"
@@ -118,13 +125,13 @@ def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str)
                 tps[config][clients].append(result["tps"])
                 print(f"round {round_no + 1} {config:16s} {clients} client(s): {result['tps']:9.1f} tps", flush=True)
     out: dict[str, Any] = {}
-    for config in CONFIGS:
+    for config in configs:
         out[config] = {}
         for clients in (1, 8):
             median = statistics.median(tps[config][clients])
-            base = statistics.median(tps["baseline"][clients])
+            base = statistics.median(tps["baseline"][clients]) if "baseline" in tps else None
             out[config][str(clients)] = {"tps": tps[config][clients], "median": round(median, 1),
-                                         "change_pct": round(100.0 * (median - base) / base, 1)}
+                                         "change_pct": round(100.0 * (median - base) / base, 1) if base else None}
     return out
 
 
@@ -173,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="1 round of 3 s, 10k rows, short rate runs (CI smoke)")
     parser.add_argument("--phases", default="write,cost", help="which phases: write, cost, or both")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"write-path configurations, comma-separated (default all: {', '.join(CONFIGS)})")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
+    configs = tuple(c.strip() for c in args.configs.split(","))
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; expected some of: {', '.join(CONFIGS)}")
     if args.quick:
         args.rounds, args.seconds, args.rows, args.rate_seconds, args.idle_seconds = 1, 3, 10_000, 3.0, 3.0
     namespace = f"pb_bench_wal_{os.getpid()}"
@@ -197,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             phases = set(args.phases.split(","))
             results: dict[str, Any] = {}
             if "write" in phases:
-                results["write_path"] = write_path(url, str(script), args.rounds, args.seconds, namespace)
+                results["write_path"] = write_path(url, str(script), args.rounds, args.seconds, namespace, configs)
             if "cost" in phases:
                 results["cost_per_change"] = cost_per_change(url, [float(r) for r in args.rates.split(",")],
                                                              args.rate_seconds, args.idle_seconds, namespace)

@@ -1,8 +1,10 @@
 """Change capture from PostgreSQL's write-ahead log (``[capture] mode = "wal"``): nothing in the scheduler's
 transactions, nothing in its schema.
 
-``init`` creates a publication of the mapped task table (only the columns capture reads: a column list, so
-an unrelated wide column never travels) and a logical replication slot on the built-in ``pgoutput`` plugin;
+``init`` creates a publication of the mapped task table (every column: a column list would make PostgreSQL
+refuse every UPDATE of the table the moment its owner set ``REPLICA IDENTITY FULL``, "Column list used by the
+publication does not cover the replica identity", and capture must never fail the scheduler's writes) and a
+logical replication slot on the built-in ``pgoutput`` plugin;
 ``uninstall`` drops both. No trigger, function or grant is added to the scheduler's schema.
 
 :class:`WalCapture` streams the slot over the replication protocol (psycopg2's
@@ -153,12 +155,12 @@ def _qualified(conn: Connection, tt: TaskTable) -> str:
 
 
 def install_publication(conn: Connection, tt: TaskTable) -> None:
-    """(Re)create the publication of the mapped table's captured columns, inside the caller's transaction."""
-    columns = captured_columns(conn, tt)
-    prep = conn.dialect.identifier_preparer
+    """(Re)create the publication of the mapped table, inside the caller's transaction. Every column, no column
+    list (see the module docstring: with one, the owner's ``REPLICA IDENTITY FULL`` fails the scheduler's
+    updates); the capture reads the mapped columns of each row and ignores the rest."""
+    captured_columns(conn, tt)  # what this mode cannot capture is refused, in one line
     conn.exec_driver_sql(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
-    column_list = ", ".join(prep.quote(c) for c in columns)
-    conn.exec_driver_sql(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {_qualified(conn, tt)} ({column_list}) "
+    conn.exec_driver_sql(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {_qualified(conn, tt)} "
                          "WITH (publish = 'insert, update')")
 
 
@@ -301,13 +303,16 @@ def wal_status(conn: Connection, tt: TaskTable) -> tuple[bool, str]:
     if problems:
         return False, problems[0]
     published = conn.exec_driver_sql(
-        "SELECT attnames FROM pg_catalog.pg_publication_tables WHERE pubname = %(p)s AND tablename = %(t)s",
-        {"p": PUBLICATION, "t": tt.mapping.table}).first()
+        "SELECT pr.prattrs IS NOT NULL FROM pg_catalog.pg_publication_rel pr "
+        "JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = %(p)s "
+        "AND pr.prrelid = to_regclass(%(t)s)",
+        {"p": PUBLICATION, "t": _qualified(conn, tt)}).first()
     if published is None:
         return False, f"publication {PUBLICATION} of {tt.mapping.table!r} missing; run `pollbridge init`"
-    if sorted(published[0] or []) != sorted(columns):
-        return False, (f"publication {PUBLICATION} carries {sorted(published[0] or [])}, the mapping reads "
-                       f"{sorted(columns)}; run `pollbridge init` to regenerate it")
+    if published[0]:
+        return False, (f"publication {PUBLICATION} has a column list ({len(columns)} columns; an older pollbridge's): "
+                       f"REPLICA IDENTITY FULL on {tt.mapping.table!r} would then fail every update of it; run "
+                       "`pollbridge init` to regenerate it")
     state = slot_state(conn)
     slot = slot_name(conn)
     if not state.exists:

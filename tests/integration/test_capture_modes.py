@@ -294,6 +294,28 @@ def test_changes_are_captured_in_commit_order(walcap: Capture) -> None:
 
 
 @pytest.mark.postgres
+def test_the_owner_setting_replica_identity_full_never_fails_the_schedulers_writes(walcap: Capture) -> None:
+    """With a column-list publication (before), PostgreSQL refused every UPDATE of the task table once its owner
+    set REPLICA IDENTITY FULL ("Column list used by the publication does not cover the replica identity"). The
+    publication carries every column now: the update succeeds, and the capture uses the whole old row."""
+    ids = _new_instance(walcap, "ri", ["a"])
+    t = walcap.tables.tasks
+    with walcap.engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE tasks REPLICA IDENTITY FULL"))
+    try:
+        with walcap.engine.begin() as conn:
+            assert conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued")).rowcount == 1
+        rows = [r for r in walcap.rows("ri") if r.change == "status"]
+        assert [(r.old_status, r.new_status) for r in rows] == [("pending", "queued")]
+        with walcap.engine.connect() as conn:
+            ok, detail = wal.wal_status(conn, walcap.tables)
+        assert ok, detail
+    finally:
+        with walcap.engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE tasks REPLICA IDENTITY DEFAULT"))
+
+
+@pytest.mark.postgres
 def test_a_batch_streamed_again_after_a_crash_repeats_its_event_ids(walcap: Capture) -> None:
     """Written but not confirmed (the process died between its commit and telling the server): the slot sends
     the changes again; the outbox then holds each twice, with the same event id (consumers dedupe on it)."""
