@@ -53,7 +53,7 @@ from bridge.capture.leadership import holder_name
 from bridge.core.errors import MappingError
 from bridge.core.events import new_trace_id
 from bridge.core.phases import EventRouter
-from bridge.core.ratelimit import TokenBucket
+from bridge.core.ratelimit import TypeLimits
 from bridge.core.settings import SchedulerSettings, TypeSettings
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
@@ -78,12 +78,9 @@ LOST_RACE_RECHECK = 0.5
 #: hold this process keeps (least recently used dropped).
 COUNT_CACHE = 100_000
 
-#: A task held back by ``max_in_flight`` is looked at again after this many seconds (a rate limit's hold
-#: waits exactly for its next token).
-IN_FLIGHT_RECHECK = 1.0
-
 #: A ready task parked in the review queue while it stays pending (a mapping without a review status) is
-#: looked at again after this many seconds: a release writes nothing to the task table, so no event comes.
+#: looked at again after this many seconds. A release writes nothing to the task table; it wakes the
+#: instance through a row in pollbridge's outbox, and this look is the fallback should that row be lost.
 REVIEW_RECHECK = 10.0
 
 
@@ -201,8 +198,8 @@ class Evaluator:
         self._single = autocommit(engine)
         self._pg = engine.dialect.name == "postgresql"
         self.holder = holder or holder_name()
-        self._lock = threading.Lock()  # guards _buckets, _counts and _held
-        self._buckets: dict[str | None, TokenBucket] = {}
+        self._lock = threading.Lock()  # guards _counts and _held
+        self.limits = TypeLimits(settings)
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._held: OrderedDict[str, bool] = OrderedDict()
         # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
@@ -342,21 +339,12 @@ class Evaluator:
         holds: list[tuple[ReadyTask, str, float]] = []
         in_flight: dict[str | None, int] | None = None
         for task in allowed:
-            ts = self.settings.for_type(task.workflow_type)
-            if ts.max_in_flight:
-                if in_flight is None:  # only when a limit is configured
-                    in_flight = {k: int(v) for k, v in self._read(conn, self.queries.in_flight).all()}
-                if in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
-                    holds.append((task, "in_flight", IN_FLIGHT_RECHECK))
-                    continue
-                in_flight[task.workflow_type] = in_flight.get(task.workflow_type, 0) + 1
-            if ts.rate > 0:
-                with self._lock:
-                    bucket = self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst))
-                    wait = bucket.take()
-                if wait > 0:
-                    holds.append((task, "rate", wait))
-                    continue
+            if in_flight is None and self.limits.capped(task.workflow_type):  # read only when a cap is set
+                in_flight = {k: int(v) for k, v in self._read(conn, self.queries.in_flight).all()}
+            hold = self.limits.admit(task.workflow_type, in_flight if in_flight is not None else {})
+            if hold is not None:
+                holds.append((task, *hold))
+                continue
             to_dispatch.append(task)
         if holds:
             self._hold(conn, holds, result)
@@ -506,8 +494,11 @@ class Evaluator:
         rows = [{"task_id": str(t.task_id), "instance_id": t.instance_id, "workflow_type": t.workflow_type,
                  "task_key": str(t.task_key), "attempt": t.attempt, "reason": reason, "holder": self.holder,
                  "pb_wait": wait if self._pg else f"+{wait:.3f} seconds"} for t, reason, wait in holds]
-        with self.engine.begin() as wconn:
-            wconn.execute(self.queries.hold, rows)
+        if self._pg:  # one statement on the caller's connection, as the dispatch (no pool checkout, no BEGIN)
+            conn.execute(self.queries.hold, rows).all()
+        else:
+            with self.engine.begin() as wconn:
+                wconn.execute(self.queries.hold, rows).all()
         new: dict[str | None, int] = defaultdict(int)
         with self._lock:
             for t, _, wait in holds:

@@ -200,7 +200,8 @@ def hold_statement(dialect_name: str) -> sa.Insert:
     modifier, ``"+1.000 seconds"``): a new hold starts at the database's now, a renewed one keeps its start;
     ``until`` is the database's now plus the wait, by the same clock the poller and the reconciler compare it
     with (a host clock behind the database's would make every hold look stale at once). A hold of an earlier
-    attempt, or one already released, starts again."""
+    attempt, or one already released, starts again. ``RETURNING`` makes the driver send a batch of rows as one
+    multi-row statement (SQLAlchemy's "insertmanyvalues"), not a statement per row."""
     insert_fn = postgresql.insert if dialect_name == "postgresql" else sqlite.insert
     if dialect_name == "postgresql":
         until: sa.ColumnElement[Any] = sa.func.clock_timestamp() + sa.func.make_interval(
@@ -214,7 +215,8 @@ def hold_statement(dialect_name: str) -> sa.Insert:
         "held_at": sa.case((fresh, stmt.excluded.held_at), else_=holds.c.held_at),
         "instance_id": stmt.excluded.instance_id, "workflow_type": stmt.excluded.workflow_type,
         "task_key": stmt.excluded.task_key, "attempt": stmt.excluded.attempt, "reason": stmt.excluded.reason,
-        "until": stmt.excluded.until, "holder": stmt.excluded.holder, "released_at": sa.null()})
+        "until": stmt.excluded.until, "holder": stmt.excluded.holder, "released_at": sa.null()}
+    ).returning(holds.c.task_id)
 
 
 def release_holds_statement(dialect_name: str, pg: bool) -> sa.Update:

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from bridge.core.phases import Flag
-from bridge.core.ratelimit import TokenBucket
+from bridge.core.ratelimit import TypeLimits
 from bridge.core.settings import SchedulerSettings
 from bridge.flags.router import FlagRouter
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many
@@ -81,8 +81,7 @@ class LegacyPoller:
         self.router = router
         self.running_timeout = running_timeout if tables.has("updated_at") else 0.0
         self._scans: dict[tuple[str, frozenset[Flag]], sa.Select[Any] | None] = {}
-        self.limits = limits
-        self._buckets: dict[str | None, TokenBucket] = {}
+        self.limits = TypeLimits(limits) if limits is not None else None
         self._in_flight = in_flight_statement(tables)
 
     def _flags(self) -> dict[str, Flag]:
@@ -169,22 +168,16 @@ class LegacyPoller:
         if self.limits is None or not ready:
             return ready, 0
         limits = self.limits
-        capped = {t.workflow_type for t in ready if limits.for_type(t.workflow_type).max_in_flight}
         in_flight: dict[str | None, int] = {}
-        if capped:
+        if any(limits.capped(t.workflow_type) for t in ready):
             with self.engine.connect() as conn:
                 in_flight = {k: int(v) for k, v in conn.execute(self._in_flight).all()}
         out: list[ReadyTask] = []
         left: dict[str | None, int] = {}
         for task in ready:
-            ts = limits.for_type(task.workflow_type)
-            if ts.max_in_flight and in_flight.get(task.workflow_type, 0) >= ts.max_in_flight:
+            if limits.admit(task.workflow_type, in_flight) is not None:
                 left[task.workflow_type] = left.get(task.workflow_type, 0) + 1
                 continue
-            if ts.rate > 0 and self._buckets.setdefault(task.workflow_type, TokenBucket(ts.rate, ts.burst)).take():
-                left[task.workflow_type] = left.get(task.workflow_type, 0) + 1
-                continue
-            in_flight[task.workflow_type] = in_flight.get(task.workflow_type, 0) + 1
             out.append(task)
         for workflow_type, n in left.items():
             self.metrics.held_back.labels(workflow_type=workflow_type or "").inc(n)

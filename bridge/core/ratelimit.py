@@ -1,4 +1,5 @@
-"""The token bucket both dispatchers use for a workflow type's ``rate`` and ``burst`` (``[scheduler.types.T]``).
+"""Per-type backpressure both dispatchers apply: the token bucket of a workflow type's ``rate`` and ``burst`` and
+its ``max_in_flight`` (``[scheduler.types.T]``), as :class:`TypeLimits`.
 
 One bucket per type per process: the event scheduler keeps one for its dispatches and the reference poller one
 for its own (docs/scheduler.md says what that means for a type both dispatch in ``selective``).
@@ -6,7 +7,10 @@ for its own (docs/scheduler.md says what that means for a type both dispatch in 
 
 from __future__ import annotations
 
+import threading
 import time
+
+from bridge.core.settings import SchedulerSettings
 
 
 class TokenBucket:
@@ -24,3 +28,38 @@ class TokenBucket:
             self.tokens -= 1
             return 0.0
         return (1 - self.tokens) / self.rate
+
+
+#: A task held back by ``max_in_flight`` is looked at again after this many seconds (a rate limit's hold
+#: waits exactly for its next token).
+IN_FLIGHT_RECHECK = 1.0
+
+
+class TypeLimits:
+    """Per-type admission of ready tasks, the one rule both dispatchers apply: a type's ``max_in_flight``
+    (dispatched + running, counted by the caller from the task table) and its token bucket (``rate``,
+    ``burst``; one per type in this process). Thread-safe."""
+
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._buckets: dict[str | None, TokenBucket] = {}
+
+    def capped(self, workflow_type: str | None) -> bool:
+        """Whether the type has an in-flight cap (then :meth:`admit` needs the in-flight counts)."""
+        return bool(self.settings.for_type(workflow_type).max_in_flight)
+
+    def admit(self, workflow_type: str | None, in_flight: dict[str | None, int]) -> tuple[str, float] | None:
+        """``None``: dispatch a task of the type now (counted into ``in_flight``, so the rest of a round sees
+        it). Else why it waits and for how long: ``("in_flight", IN_FLIGHT_RECHECK)`` or ``("rate", seconds
+        until its next token)``."""
+        ts = self.settings.for_type(workflow_type)
+        if ts.max_in_flight and in_flight.get(workflow_type, 0) >= ts.max_in_flight:
+            return "in_flight", IN_FLIGHT_RECHECK
+        if ts.rate > 0:
+            with self._lock:
+                wait = self._buckets.setdefault(workflow_type, TokenBucket(ts.rate, ts.burst)).take()
+            if wait > 0:
+                return "rate", wait
+        in_flight[workflow_type] = in_flight.get(workflow_type, 0) + 1
+        return None
