@@ -183,7 +183,6 @@ class Relay:
             rows = self.queries.claim_run.all(conn, {})  # once per cycle: straight to the driver
             if not rows:
                 return 0
-            events: list[CloudEvent] = []
             good: list[Any] = []
             dead: list[tuple[Any, str]] = []
             valid = self._valid_statuses
@@ -191,7 +190,6 @@ class Relay:
                 if (row.task_id and row.instance_id and row.task_key and row.change in CHANGES
                         and (valid is None or ((row.new_status is None or row.new_status in valid)
                                                and (row.old_status is None or row.old_status in valid)))):
-                    events.append(encoded_event(row.event_id, row.instance_id, row.task_id, row.payload))
                     good.append(row)
                     continue
                 try:  # the slow path says exactly what is wrong
@@ -199,12 +197,15 @@ class Relay:
                     raise EventFormatError(f"outbox row {row.id}: not publishable")
                 except EventFormatError as exc:
                     dead.append((row, str(exc)))
+            depths: dict[str, int] = {}
             if self.depth_of is not None and good:
                 # ``mapping.columns.spawned_by``: the capture trigger cannot know the depth (a walk up the chain
                 # inside the scheduler's write); one query per batch here, and the events carry it.
                 depths = self.depth_of(conn, [str(r.task_id) for r in good])
-                events = [encoded_event(r.event_id, r.instance_id, r.task_id,
-                                        _with_depth(r.payload, depths.get(str(r.task_id), 0))) for r in good]
+            events: list[CloudEvent] = [
+                encoded_event(r.event_id, r.instance_id, r.task_id,
+                              _with_depth(r.payload, depths.get(str(r.task_id), 0)) if depths else r.payload)
+                for r in good]
             if self.foreign is not None and good:
                 # Before the publish: a database error here happens before anything reached the bus.
                 record_foreign_dispatches(conn, self.foreign, good)
