@@ -53,8 +53,9 @@ def parked(task_id: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
     """The task whose id is ``task_id`` has an open row in the review queue.
 
     An ``IN`` over the open rows rather than a correlated ``EXISTS``: PostgreSQL reads the (few) open rows once
-    per statement into a hash and looks each candidate up in it (a hashed SubPlan), where a probe of the
-    index per row cost the batch dispatch about 15 µs a task (``bench.guards_cost``)."""
+    per statement into a hash and looks each candidate up in it (a hashed SubPlan, microseconds in ``EXPLAIN
+    ANALYZE``). ``bench.guards_cost`` measured the dispatch of 50 slower by 0.45 to 0.80 ms with this test, as
+    by 0.74 ms with the ``EXISTS``: no clear difference between the two (docs/benchmarks.md)."""
     return sa.cast(task_id, sa.String).in_(sa.select(review.c.task_id).where(review.c.decision.is_(None)))
 
 
@@ -87,9 +88,13 @@ class Parking:
 
     @property
     def reason(self) -> str:
-        what = "causation depth" if self.guard == "depth" else "dispatches of its instance"
-        setting = "max_depth" if self.guard == "depth" else "max_dispatches"
-        return f"{what} {self.measured} > {setting} {self.limit}"
+        return _reason(self.guard, self.measured, self.limit)
+
+
+def _reason(guard: str, measured: int, limit: int) -> str:
+    what, setting = ("causation depth", "max_depth") if guard == "depth" else ("dispatches of its instance",
+                                                                               "max_dispatches")
+    return f"{what} {measured} > {setting} {limit}"
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,7 @@ class ReviewEntry:
 
     @property
     def reason(self) -> str:
-        return Parking(self.task_id, self.instance_id, self.workflow_type, self.task_key, self.attempt,
-                       "depth" if self.guard == "depth" else "dispatches", self.measured, self.limit).reason
+        return _reason(self.guard, self.measured, self.limit)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "task_id": self.task_id, "instance_id": self.instance_id,
