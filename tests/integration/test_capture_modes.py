@@ -316,6 +316,22 @@ def test_the_owner_setting_replica_identity_full_never_fails_the_schedulers_writ
 
 
 @pytest.mark.postgres
+def test_a_column_list_publication_is_not_current_and_init_regenerates_it(walcap: Capture) -> None:
+    """An installation from before carries a column list: doctor says so (the owner's REPLICA IDENTITY FULL would
+    fail the scheduler's updates), and `init` replaces it with the whole table."""
+    with walcap.engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER PUBLICATION {wal.PUBLICATION} SET TABLE tasks (id, instance_id, task_key, "
+                             "status)"))
+    with walcap.engine.connect() as conn:
+        ok, detail = wal.wal_status(conn, walcap.tables)
+    assert not ok and "has a column list" in detail and "pollbridge init" in detail
+    install.init(walcap.engine, mapping=walcap.mapping, capture=CaptureSettings(mode="wal"))
+    with walcap.engine.connect() as conn:
+        ok, detail = wal.wal_status(conn, walcap.tables)
+    assert ok, detail
+
+
+@pytest.mark.postgres
 def test_a_batch_streamed_again_after_a_crash_repeats_its_event_ids(walcap: Capture) -> None:
     """Written but not confirmed (the process died between its commit and telling the server): the slot sends
     the changes again; the outbox then holds each twice, with the same event id (consumers dedupe on it)."""
