@@ -33,7 +33,7 @@ from bridge.reconcile.html import render_html
 from bridge.reconcile.report import Report, build_report
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import TaskTable
-from tests.integration.test_reconcile_report import GATES, Drive
+from tests.integration.test_reconcile_report import GATES, Drive, _walk
 
 LATE_MS = 9_700.0
 
@@ -139,16 +139,8 @@ def test_control_text_says_what_the_floor_is(drive: Drive, db_url: str) -> None:
 
 # --- the floor beside the event path ----------------------------------------------------------------------
 def _walk_with_a_slow_poller(d: Drive) -> tuple[datetime, datetime]:
-    """polling (5 instances) -> dual_write (6) -> selective 100% (6), then 6 poller dispatches made late."""
-    start = db_clock(d.engine) - timedelta(seconds=1)
-    d.load("p", 5)
-    d.run(16)
-    d.phase("dual_write")
-    d.load("d", 6)
-    d.run(16)
-    d.phase("selective")
-    d.load("s", 6)
-    d.run(16)
+    """The report tests' walk (polling -> dual_write -> selective 100%), then 6 poller dispatches made late."""
+    start, _ = _walk(d)
     _make_late(d, 6)
     return start, db_clock(d.engine) + timedelta(seconds=1)
 
