@@ -5,7 +5,7 @@ connection closes and the lock is released at once; a standby polling ``try_acqu
 within its retry interval. The holder checks that it still holds the lock without a statement: the
 lock lives exactly as long as the connection, so it reads what the server may have sent (a
 termination notice, the end of the stream) and asks the socket; TCP keepalives turn a silently
-dropped network path into a closed socket within :data:`KEEPALIVE_SECONDS`. An idle relay so sends
+dropped network path into a closed socket within :data:`bridge.db.listen.KEEPALIVE_SECONDS`. An idle relay so sends
 its database nothing for its leadership. SQLite (one host, the embedded default): a lease row in
 ``pollbridge_relay_state`` renewed by heartbeat, taken over when the heartbeat is older than the
 lease timeout.
@@ -27,17 +27,13 @@ from psycopg.pq import ConnStatus
 from sqlalchemy.engine import Engine
 
 from bridge.core.errors import first_line
+from bridge.db.listen import kept_connection
 from bridge.db.schema import relay_state
 
 log = logging.getLogger(__name__)
 
 #: First key of the two-key advisory lock; the second is the relay partition.
 ADVISORY_NAMESPACE = 0x70B1  # "pb"
-
-#: About how long a leadership connection whose network path silently died goes unnoticed (keepalive
-#: idle time plus its probes).
-KEEPALIVE_SECONDS = 20
-
 
 def holder_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -75,10 +71,7 @@ class AdvisoryLockLeadership(Leadership):
         self._held = False
 
     def _connect(self) -> psycopg.Connection[tuple[object, ...]]:
-        url = self.engine.url.set(drivername="postgresql")
-        return psycopg.connect(url.render_as_string(hide_password=False), autocommit=True, connect_timeout=10,
-                               keepalives=1, keepalives_idle=KEEPALIVE_SECONDS // 2,
-                               keepalives_interval=KEEPALIVE_SECONDS // 10, keepalives_count=5)
+        return kept_connection(self.engine)
 
     def try_acquire(self) -> bool:
         try:

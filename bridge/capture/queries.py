@@ -132,6 +132,15 @@ def set_armed_statement(partition: int, armed: bool) -> sa.Update:
     return relay_state.update().where(relay_state.c.relay_partition == partition).values(armed=armed)
 
 
+#: PostgreSQL, right after the relay armed: the first transaction id not yet started. Every writer that could
+#: have read the armed flag before it was set had its id by then (its trigger runs after its own row write).
+ARM_HORIZON_SQL = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text"
+
+#: PostgreSQL: whether every transaction older than a horizon (``:horizon``, from :data:`ARM_HORIZON_SQL`) has
+#: ended, so a claim from now on sees every row a writer added without notifying.
+HORIZON_PASSED_SQL = "SELECT pg_snapshot_xmin(pg_current_snapshot()) >= CAST(:horizon AS xid8)"
+
+
 @dataclass(frozen=True)
 class RelayQueries:
     """The statements of one relay (one partition), the per-cycle ones built once."""

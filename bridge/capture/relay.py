@@ -41,7 +41,7 @@ from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import read_backlog
-from bridge.capture.queries import RelayQueries
+from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, RelayQueries
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
 from bridge.capture.triggers import NOTIFY_CHANNEL
 from bridge.core.backoff import Backoff
@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 CHANGES = TASK_CHANGES
 #: How often the embedded relay (SQLite, no NOTIFY) probes an idle outbox.
 EMBEDDED_IDLE_PROBE = 0.02
+#: The window over which the relay measures its change rate (``adaptive``: notify or poll).
+RATE_WINDOW = 1.0
 
 
 def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
@@ -117,6 +119,34 @@ def _with_depth(payload: str, depth: int) -> str:
     return json.dumps(event, separators=(",", ":"))
 
 
+class RateWindow:
+    """Rows claimed per second, over windows of :data:`RATE_WINDOW` seconds: whether the relay is busy."""
+
+    def __init__(self) -> None:
+        self.reset(time.monotonic())
+
+    def reset(self, now: float) -> None:
+        self.start, self.rows = now, 0
+        #: The rate of the last complete window.
+        self.rate = 0.0
+
+    def add(self, rows: int, now: float) -> None:
+        self.rows += rows
+        self._roll(now)
+
+    def _roll(self, now: float) -> None:
+        elapsed = now - self.start
+        if elapsed >= RATE_WINDOW:
+            self.rate = self.rows / elapsed
+            self.start, self.rows = now, 0
+
+    def busy(self, now: float, limit: float) -> bool:
+        """Whether the rate is above ``limit``: the last window's, or already this window's rows alone (a burst
+        is seen within its first ``limit`` rows, not a window later)."""
+        self._roll(now)
+        return self.rate > limit or self.rows > limit * RATE_WINDOW
+
+
 def describe_statuses(statuses: StatusValues) -> str:
     """Every stored value the mapping knows, by logical status (for a dead letter's reason)."""
     parts = []
@@ -158,6 +188,11 @@ class Relay:
         self.pg = engine.dialect.name == "postgresql"
         self._epoch: str | None = None
         self._armed = False
+        #: ``adaptive``: the first transaction id not started when the relay last armed, until every
+        #: transaction before it has ended (:meth:`_idle_listening`).
+        self._horizon: str | None = None
+        self._unsafe_wait = settings.poll_interval
+        self._rate = RateWindow()
         # The loop's connection, kept while run() runs: a pool checkout per cycle would add the pool's
         # pre-ping, a statement per idle second.
         self._conn: Connection | None = None
@@ -432,10 +467,16 @@ class Relay:
                     backoff.reset()
                     if handled:
                         last_rows = time.monotonic()
-                        if self._armed:
-                            self._set_armed(False)
+                        self._rate.add(handled, last_rows)
+                    if not listen:
+                        if not handled:
+                            self._idle(waiter, last_rows)
                         continue
-                    self._idle(waiter, listen, last_rows)
+                    if handled >= self.settings.batch_size:  # more is waiting
+                        continue
+                    # A claim that took less than a batch took all there was: no second, empty claim to be
+                    # sure (at a trickle that confirmation was a transaction per change).
+                    self._idle_listening(waiter, last_rows)
                 except Exception as exc:  # the relay must survive any outage and retry
                     self.metrics.errors.labels(kind=type(exc).__name__).inc()
                     pause = backoff.next()
@@ -464,28 +505,71 @@ class Relay:
             return f"unknown ({first_line(exc)})"
         return str(holder) if holder else "unknown"
 
-    def _idle(self, waiter: Waiter, listen: bool, last_rows: float) -> None:
+    def _idle(self, waiter: Waiter, last_rows: float) -> None:
+        """No LISTEN (``wake = "poll"``, SQLite): probe every ``poll_interval``; the embedded relay idle longer
+        probes less often (20 ms to 0.1 s)."""
         s = self.settings
-        if not listen:
-            idle_for = time.monotonic() - last_rows
-            interval = s.poll_interval if (self.pg or idle_for < s.arm_after) \
-                else idle_poll(max(s.poll_interval, EMBEDDED_IDLE_PROBE), idle_for)
-            waiter.wait(interval)
-            return
+        idle_for = time.monotonic() - last_rows
+        interval = s.poll_interval if (self.pg or idle_for < s.arm_after) \
+            else idle_poll(max(s.poll_interval, EMBEDDED_IDLE_PROBE), idle_for)
+        waiter.wait(interval)
+
+    def _idle_listening(self, waiter: Waiter, last_rows: float) -> None:
+        """Between claims on PostgreSQL with ``notify`` or ``adaptive``: sleep until a notification, or poll
+        while the change rate is too high for the trigger to notify (``adaptive``).
+
+        What a change costs the database is one claim, at any rate: armed, the commit's notification wakes
+        the relay and the claim takes whatever has committed since the last one; busy (more than
+        ``notify_max_rate`` rows/s), the trigger stops notifying and every ``poll_interval`` probe finds rows.
+        The timer only guards what a notification cannot: the moment of arming (a writer that read the flag
+        down and commits after the re-probe) until every transaction that could have done so has ended
+        (from ``poll_interval`` doubling up to ``fallback_interval``), and a listener lost without an error
+        (``idle_probe_interval``)."""
+        assert isinstance(waiter, ListenWaiter)
+        s = self.settings
+        now = time.monotonic()
         if self.wake == "adaptive":
-            if time.monotonic() - last_rows < s.arm_after:
+            busy = self._rate.busy(now, s.notify_max_rate if self._armed else 0.75 * s.notify_max_rate)
+            if busy and now - last_rows < s.arm_after:
+                if self._armed:
+                    self._set_armed(False)
+                    log.info("relay partition %d: %.0f changes/s, above relay.notify_max_rate (%.0f): polling",
+                             self.partition, self._rate.rate, s.notify_max_rate)
                 waiter.wait(s.poll_interval)
                 return
-            if not self._armed:
-                assert isinstance(waiter, ListenWaiter)
-                waiter.ensure_listening()
-                self._set_armed(True)
-                if self.publish_batch():  # committed between our last probe and arming
-                    self._set_armed(False)
-                    return
-        # The next cycle's batch read is the probe, whether a notification or the timer woke us.
-        woken = waiter.wait(s.fallback_interval)
+        fresh = waiter.ensure_listening()
+        if self.wake == "adaptive" and not self._armed:
+            self._arm()
+            fresh = True
+        if fresh:  # what committed before the LISTEN (or the flag) is read by the next cycle's claim
+            return
+        if self._horizon is not None:
+            # A writer that read the flag down may still commit without a notification: look again soon, then
+            # less often (poll_interval, doubling up to fallback_interval), until none is left.
+            woken = waiter.wait(self._unsafe_wait)
+            self._unsafe_wait = min(2 * self._unsafe_wait, s.fallback_interval)
+            if self._horizon_passed():  # then the claim that follows sees whatever such a writer committed
+                self._horizon = None
+        else:
+            woken = waiter.wait(s.idle_probe_interval)
+        # The next cycle's claim is the probe, whether a notification or the timer woke us.
         self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
+
+    def _arm(self) -> None:
+        """Raise the trigger's flag and note the arming horizon: until every transaction that could have read
+        the flag down has ended, one of them may commit a row without a notification."""
+        with self._begin() as conn:
+            conn.execute(self.queries.set_armed(True))
+        self._armed = True
+        self._unsafe_wait = self.settings.poll_interval
+        # A new window: the busy spell's rate must not disarm it again at the first change that follows.
+        self._rate.reset(time.monotonic())
+        with self._begin() as conn:
+            self._horizon = str(conn.exec_driver_sql(ARM_HORIZON_SQL).scalar_one())
+
+    def _horizon_passed(self) -> bool:
+        with self._begin() as conn:
+            return bool(conn.execute(sa.text(HORIZON_PASSED_SQL), {"horizon": self._horizon}).scalar_one())
 
 
 def _row_json(row: Any) -> str:

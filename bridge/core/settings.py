@@ -169,8 +169,18 @@ class LegacySettings:
 class RelaySettings:
     batch_size: int = 5000
     poll_interval: float = 0.002
-    arm_after: float = 0.2
+    #: ``adaptive``: after a busy spell, the outbox found empty this long means the spell is over: arm again.
+    arm_after: float = 0.05
+    #: ``adaptive``: the change rate (rows/s, over one-second windows) above which the relay stops the trigger's
+    #: NOTIFY and polls instead (it arms again below three quarters of it). NOTIFY serialises committing
+    #: transactions on one lock: 74-91 % less write throughput with 8 writers flat out (docs/capture.md).
+    notify_max_rate: float = 200.0
+    #: While a wake-up could have been missed (just armed, some writer that read the flag down still running):
+    #: the listening relay probes this often.
     fallback_interval: float = 1.0
+    #: Once none could have been missed: the idle listening relay probes only this often (a last resort
+    #: behind the listener's own connection checks).
+    idle_probe_interval: float = 5.0
     retention: float = 3600.0
     purge_interval: float = 10.0
     purge_batch: int = 1000
@@ -185,8 +195,8 @@ class RelaySettings:
             raise ConfigError(f"relay.max_bus_memory must be in (0, 1], got {self.max_bus_memory!r}")
         for name in ("batch_size", "purge_batch"):
             _positive(getattr(self, name), f"relay.{name}", integer=True)
-        for name in ("poll_interval", "arm_after", "fallback_interval", "retention", "purge_interval",
-                     "lease_timeout", "epoch_check_interval"):
+        for name in ("poll_interval", "arm_after", "notify_max_rate", "fallback_interval", "idle_probe_interval",
+                     "retention", "purge_interval", "lease_timeout", "epoch_check_interval"):
             _positive(getattr(self, name), f"relay.{name}")
 
 

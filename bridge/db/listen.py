@@ -17,6 +17,20 @@ from sqlalchemy.engine import Engine
 
 log = logging.getLogger(__name__)
 
+#: About how long a long-lived connection (a listener, a relay's leadership) whose network path silently died
+#: goes unnoticed: keepalive idle time plus its probes.
+KEEPALIVE_SECONDS = 20
+
+
+def kept_connection(engine: Engine) -> psycopg.Connection[tuple[object, ...]]:
+    """An autocommit psycopg connection for a session that mostly waits (LISTEN, an advisory lock): TCP
+    keepalives turn a silently dropped network path into a closed connection within :data:`KEEPALIVE_SECONDS`,
+    where it would otherwise wait for the server forever."""
+    url = engine.url.set(drivername="postgresql")
+    return psycopg.connect(url.render_as_string(hide_password=False), autocommit=True, connect_timeout=10,
+                           keepalives=1, keepalives_idle=KEEPALIVE_SECONDS // 2,
+                           keepalives_interval=KEEPALIVE_SECONDS // 10, keepalives_count=5)
+
 
 class Waiter:
     """Sleeps between probes; ``wait`` returns True when woken by a notification."""
@@ -37,16 +51,18 @@ class ListenWaiter(Waiter):
 
     def __init__(self, engine: Engine, stop: threading.Event, channel: str) -> None:
         super().__init__(stop)
-        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._engine = engine
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self.channel = channel
 
-    def ensure_listening(self) -> None:
+    def ensure_listening(self) -> bool:
         """Connect and LISTEN (before the caller re-reads what the notifications are about, so none is
-        missed in between)."""
+        missed in between). True when it (re)connected now: what committed before is the caller's to read."""
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10)
+            self._conn = kept_connection(self._engine)
             self._conn.execute(f"LISTEN {self.channel}")
+            return True
+        return False
 
     def wait(self, timeout: float) -> bool:
         try:

@@ -4,8 +4,11 @@ PostgreSQL + Redis Streams."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -232,8 +235,8 @@ def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
     """Idle, the relay's only statement on PostgreSQL is its fallback probe (the claim): no purge while
     nothing can have expired, no leadership check by statement. On SQLite no purge either, and no claim:
     it reads the unpublished rows' index without the write lock, and writes only to renew its lease."""
-    settings = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
-                             lease_timeout=0.2, purge_interval=0.05, retention=3600)
+    settings = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, idle_probe_interval=0.5,
+                             epoch_check_interval=0.05, lease_timeout=0.2, purge_interval=0.05, retention=3600)
     add_tasks(env, "a", 3)
     relay = Relay(env.engine, env.open_bus(), settings, statuses=env.tables.mapping.statuses)
     running(relay)
@@ -267,9 +270,14 @@ def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
         renewals = [s for s in statements if s.lstrip().upper().startswith("UPDATE POLLBRIDGE_RELAY_STATE")]
         assert 1 <= len(writes) == len(renewals), [s.split()[0:3] for s in statements if s not in looks]
     else:
+        # Armed, it probes every fallback_interval only until every transaction that could have read the flag
+        # down has ended (one look at the horizon, here the first), then every idle_probe_interval.
+        horizon = [s for s in statements if "pg_snapshot_xmin" in s]
         assert probes, "the fallback probe did not run"
-        assert len(probes) <= 1.5 / 0.2 + 2  # one a fallback_interval
-        assert statements == probes, [s.split()[0:3] for s in statements if s not in probes]
+        assert len(probes) <= 1.5 / 0.5 + 2, len(probes)  # one an idle_probe_interval
+        assert len(horizon) <= 1, len(horizon)
+        assert statements == [s for s in statements if s in probes or s in horizon], \
+            [s.split()[0:3] for s in statements if s not in probes]
         assert _lock_backend_state(env) == lock_backend  # the lock's connection was sent nothing
 
 
@@ -503,3 +511,111 @@ def test_the_attempt_is_in_the_event_from_both_builders(env: Env) -> None:
         assert parsed.data == row_to_event(row, env.tables.mapping.statuses).data
         attempts.append(parsed.data.get("attempt", "absent"))
     assert attempts == [0, 3, "absent"]
+
+
+# --- the wake-up's cost follows the work (issue 20) ---------------------------------------------------------
+
+#: Timers long enough that a test finishing well within them proves a notification, not a timer, woke the relay.
+LISTENING = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=5.0, idle_probe_interval=30.0,
+                          epoch_check_interval=0.05, lease_timeout=1.0, purge_interval=3600)
+
+
+def _postgres_only(env: Env) -> None:
+    if not env.kind.startswith("postgresql"):
+        pytest.skip("SQLite has no NOTIFY: its relay probes the outbox without the write lock")
+
+
+@contextlib.contextmanager
+def _statements(env: Env) -> Iterator[list[tuple[str, object]]]:
+    seen: list[tuple[str, object]] = []
+
+    def record(conn: object, cursor: object, statement: str, parameters: object, *rest: object) -> None:
+        seen.append((statement, parameters))
+
+    sa.event.listen(env.engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(env.engine, "before_cursor_execute", record)
+
+
+def _claims(seen: list[tuple[str, object]]) -> int:
+    return sum(1 for s, _ in seen if s.lstrip().upper().startswith("UPDATE POLLBRIDGE_OUTBOX"))
+
+
+def _settled(env: Env, relay: Relay) -> None:
+    """Armed, and every transaction that could have missed the flag has ended: the relay sleeps on LISTEN."""
+    wait_for(lambda: _armed(env) and relay._horizon is None, 10, what="the relay to arm and pass its horizon")
+
+
+def test_at_a_trickle_each_change_costs_the_relay_one_claim(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """Armed, a change's notification wakes the relay, and the one claim that takes the change is all it sends:
+    no confirming empty claim, no 2 ms probes while it decides whether to arm (that was about 100 claims a
+    change, 88 transactions per completion at 2 completions/s), and the flag is not lowered and raised again."""
+    _postgres_only(env)
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    running(relay)
+    _settled(env, relay)
+    with _statements(env) as seen:
+        for i in range(6):
+            add_tasks(env, f"t{i}", 1)
+            wait_for(lambda n=i + 1: relay.metrics.value("pollbridge_relay_published_total") == n, 4,
+                     what=f"change {i + 1} published (by its notification: the timers are 5 and 30 s)")
+            threading.Event().wait(0.05)  # a trickle: the relay goes back to sleep between changes
+    assert _claims(seen) <= 6 + 1, _claims(seen)
+    assert not [s for s, _ in seen if "pollbridge_relay_state" in s]  # the flag stayed up
+
+
+def test_a_writer_that_read_the_flag_down_is_published_without_waiting_for_the_fallback(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """The race that arming opens: a writer's trigger reads the flag before the relay raises it (so its commit
+    will not notify), the relay arms and re-probes, then the writer commits. The relay keeps looking, briefly,
+    until every transaction older than its arming has ended, so the change is out long before the fallback
+    timer (5 s here), and then it stops looking."""
+    _postgres_only(env)
+    with env.engine.begin() as conn:
+        conn.execute(env.tables.instances.insert().values(id="race", workflow_type="orders"))  # type: ignore[union-attr]
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    writer = env.engine.connect()
+    try:
+        tx = writer.begin()
+        writer.execute(env.tables.tasks.insert().values(instance_id="race", task_key="late", depends_on=[]))
+        # The trigger has read the flag down (the relay has not run yet); the relay starts, arms and re-probes.
+        with _statements(env) as seen:
+            running(relay)
+            wait_for(lambda: _armed(env) and _claims(seen) >= 1, 10, what="the relay to arm and re-probe")
+        assert relay._horizon is not None  # the writer is older than the arming: not safe yet
+        tx.commit()
+        committed = time.monotonic()
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 2.5,
+                 what="the late writer's change published before the 5 s fallback")
+        assert time.monotonic() - committed < 2.5
+        wait_for(lambda: relay._horizon is None, 5, what="the relay to see the writer ended and stop looking")
+    finally:
+        writer.close()
+
+
+def test_a_burst_turns_the_notifications_off_and_the_trickle_after_it_on(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """Above relay.notify_max_rate the relay lowers the flag (the writers' commits stop queueing on NOTIFY's
+    lock) and polls; once the burst is over it raises the flag again and sleeps on LISTEN. Nothing is lost."""
+    _postgres_only(env)
+    settings = dataclasses.replace(LISTENING, notify_max_rate=20.0)
+    relay = Relay(env.engine, env.open_bus(), settings, statuses=env.tables.mapping.statuses)
+    running(relay)
+    _settled(env, relay)
+    with _statements(env) as seen:
+        with env.engine.connect() as conn:
+            conn.execute(env.tables.instances.insert().values(id="burst", workflow_type="orders"))  # type: ignore[union-attr]
+            conn.commit()
+            for i in range(150):  # one change per transaction, as fast as this connection goes
+                conn.execute(env.tables.tasks.insert().values(instance_id="burst", task_key=f"b{i}", depends_on=[]))
+                conn.commit()
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 150, 10, what="the burst")
+        wait_for(lambda: _armed(env), 10, what="the flag raised again after the burst")
+    flags = [p.get("armed") for s, p in seen if "SET armed" in s and isinstance(p, dict)]
+    assert flags[:1] == [False] and flags[-1] is True, flags
+    add_tasks(env, "after", 1)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 151, 2.5,
+             what="a change after the burst published by its notification")
