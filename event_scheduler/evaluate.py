@@ -255,7 +255,7 @@ class Evaluator:
                     self._counts.pop(i, None)
             result.unknown_instances = {i for i in finished if i not in present}
         ready: list[tuple[ReadyTask, str]] = []
-        facts: dict[str, tuple[int | None, int | None]] = {}  # task id -> (review state, depth)
+        facts: dict[str, Facts] = {}  # by task id
         skips: list[Any] = []
         st = self.tables.statuses
         for r in rows:
@@ -276,7 +276,8 @@ class Evaluator:
                 result.timers.append((datetime.now(UTC) + timedelta(seconds=REVIEW_RECHECK), "due",
                                       str(r.instance_id), ()))
             elif r.ready:
-                facts[str(r.task_id)] = (getattr(r, "review_state", None), getattr(r, "depth", None))
+                facts[str(r.task_id)] = Facts(getattr(r, "review_state", None), getattr(r, "depth", None),
+                                              getattr(r, "dispatches", None))
                 task = ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
                                  (attempts + 1) if attempts is not None else None, r.ready_at)
                 ready.append((task, self.router.event_route(r.workflow_type, str(r.instance_id))))
@@ -328,7 +329,7 @@ class Evaluator:
                 for r in found]
 
     def _act(self, conn: Connection, ready: list[tuple[ReadyTask, str]], trace_ids: dict[str, str | None],
-             result: Evaluation, facts: Mapping[str, tuple[int | None, int | None]]) -> None:
+             result: Evaluation, facts: Mapping[str, Facts]) -> None:
         # A task found without an event (catch-up, timers) starts a trace of its own.
         traces = {t.instance_id: trace_ids.get(t.instance_id) or new_trace_id() for t, _ in ready}
         to_decide = [task for task, route in ready if route == "shadow"]
@@ -406,13 +407,13 @@ class Evaluator:
         value = self.router.thresholds(workflow_type).get(name)
         return int(value) if value is not None else int(getattr(self.settings, name))
 
-    def _guards(self, conn: Connection, tasks: list[ReadyTask], facts: Mapping[str, tuple[int | None, int | None]],
+    def _guards(self, conn: Connection, tasks: list[ReadyTask], facts: Mapping[str, Facts],
                 result: Evaluation) -> list[ReadyTask]:
         """The depth guard and the dispatch-count guard, per task, before any dispatch: a task whose causation
         depth is past ``max_depth``, or that would be its instance's dispatch number ``max_dispatches`` + 1
         or later (counting the tasks of this batch in order, so a batch never overshoots), is parked in the
         review queue (:mod:`bridge.tasktable.review`) for a person. A task a person released is exempt."""
-        exempt = {t.task_id for t in tasks if facts.get(str(t.task_id), (None, None))[0] == 2}
+        exempt = {t.task_id for t in tasks if facts.get(str(t.task_id), NO_FACTS).review_state == 2}
         stops: list[Parking] = []
         depths = self._depths_of(conn, [t for t in tasks if t.task_id not in exempt], facts)
         for t in tasks:
@@ -425,7 +426,9 @@ class Evaluator:
                                      "depth", depth, limit))
         stopped = {s.task_id for s in stops}
         rest = [t for t in tasks if t.task_id not in stopped]
-        counts = self._dispatch_counts(conn, sorted({t.instance_id for t in rest}))
+        counts = self._dispatch_counts(conn, sorted({t.instance_id for t in rest}),
+                                       {t.instance_id: n for t in rest
+                                        if (n := facts.get(str(t.task_id), NO_FACTS).dispatches) is not None})
         queued: dict[str, int] = defaultdict(int)
         for t in rest:
             number = counts.get(t.instance_id, 0) + queued[t.instance_id] + 1
@@ -451,28 +454,30 @@ class Evaluator:
         return [t for t in tasks if t.task_id not in all_stopped]
 
     def _depths_of(self, conn: Connection, tasks: list[ReadyTask],
-                   facts: Mapping[str, tuple[int | None, int | None]]) -> dict[str, int]:
+                   facts: Mapping[str, Facts]) -> dict[str, int]:
         """Each task's causation depth: the mapped ``depth`` column (read with the evaluation; NULL counts as
         0), or the length of its ``spawned_by`` chain (one query per batch); nothing without either."""
         if not tasks:
             return {}
         if self.tables.has("depth"):
-            return {str(t.task_id): int(facts.get(str(t.task_id), (None, None))[1] or 0) for t in tasks}
+            return {str(t.task_id): int(facts.get(str(t.task_id), NO_FACTS).depth or 0) for t in tasks}
         if self.queries.spawn_depth is None:
             return {}
         cap = max(self._limit(t.workflow_type, "max_depth") for t in tasks) + 1
         ids = [t.task_id for t in tasks]
         return {str(k): int(v) for k, v in self._read(conn, self.queries.spawn_depth, {"ids": ids, "cap": cap}).all()}
 
-    def _dispatch_counts(self, conn: Connection, instances: list[str]) -> dict[str, int]:
-        """Each instance's dispatches so far: counted once from the dispatch log, then kept up to date in
-        memory after each dispatch (forgotten when the instance finishes)."""
+    def _dispatch_counts(self, conn: Connection, instances: list[str], read: Mapping[str, int]) -> dict[str, int]:
+        """Each instance's dispatches so far: counted once from the dispatch log (``read``: by the evaluation
+        query itself, for the instances with a ready task; a query of its own for any other), then kept up to
+        date in memory after each dispatch (forgotten when the instance finishes)."""
         with self._lock:
             unknown = [i for i in instances if i not in self._counts]
-        counted: dict[str, int] = {}
-        if unknown:
-            counted = {str(k): int(v) for k, v in self._read(conn, self.queries.dispatch_count,
-                                                             {"ids": unknown}).all()}
+        counted: dict[str, int] = {i: int(read[i]) for i in unknown if i in read}
+        missing = [i for i in unknown if i not in counted]
+        if missing:
+            counted.update({str(k): int(v) for k, v in self._read(conn, self.queries.dispatch_count,
+                                                                  {"ids": missing}).all()})
         with self._lock:
             for i in unknown:
                 if i not in self._counts:  # the other thread may have counted it meanwhile
@@ -522,6 +527,21 @@ class Evaluator:
     def _decide(self, conn: Connection, task: ReadyTask, trace_id: str | None) -> bool:
         """Record a shadow decision once per (task, attempt)."""
         return bool(conn.execute(self.queries.decision(task, trace_id)).rowcount)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the evaluation query read about a ready task for the guards."""
+
+    #: The review queue's word: 1 parked, 2 released by a person (exempt from the guards), None neither.
+    review_state: int | None = None
+    #: The mapped ``depth`` column.
+    depth: int | None = None
+    #: Its instance's dispatches logged so far (read with the evaluation, so the count costs no round trip).
+    dispatches: int | None = None
+
+
+NO_FACTS = Facts()
 
 
 def group_by_instance(items: Sequence[tuple[str, Any]]) -> dict[str, list[Any]]:

@@ -127,6 +127,32 @@ def test_the_dispatch_count_guard_never_overshoots_within_a_batch(engine: Engine
     assert measured == [6, 6, 6] and {e.guard for e in _queue(engine)} == {"dispatches"}
 
 
+def test_the_dispatch_count_comes_with_the_evaluation(engine: Engine) -> None:
+    """A scheduler that has not seen the instance counts its logged dispatches (3 by another process here) in
+    the evaluation query itself: max_dispatches 4 lets one of two ready tasks go and parks the other, and no
+    count query of its own is sent (it was a round trip per new instance, one in five of a trickle's
+    transactions)."""
+    tt = _tables(engine)
+    _seed(engine, tt, "counted", ["a", "b"])
+    with engine.begin() as conn:
+        conn.execute(dispatch_log.insert(), [{"task_id": f"old{i}", "instance_id": "counted", "task_key": f"old{i}",
+                                              "path": "events", "dispatched_at": datetime.now(UTC)} for i in range(3)])
+    evaluator = _evaluator(engine, tt, max_dispatches=4)
+    sent: list[str] = []
+
+    def record(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        result = evaluator.evaluate(["counted"])
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    assert len(result.dispatched) == 1 and len(result.stopped) == 1
+    assert [e.measured for e in _queue(engine)] == [5]
+    assert not [s for s in sent if "count(*)" in s.lower() and "group by pollbridge_dispatch_log" in s.lower()], sent
+
+
 def test_depth_from_the_spawning_chain(engine: Engine) -> None:
     tt = _tables(engine, source="spawned_by")
     ids = _seed(engine, tt, "chain", ["root", "child", "grandchild"])
