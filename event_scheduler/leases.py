@@ -32,7 +32,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.base import BusLeases, EventBus, LeaseSnapshot
 from bridge.db.clock import as_utc
-from bridge.db.engine import read_only
+from bridge.db.engine import quiet, read_only
 from bridge.db.schema import scheduler_leases, scheduler_members
 from event_scheduler.protocols import PartitionLeaseStore
 
@@ -94,7 +94,8 @@ class PartitionLeases:
         if conn is not None and not self._sqlite and self._settled(conn, now, until, stale):
             return set(), set()
         lc, mc = scheduler_leases.c, scheduler_members.c
-        with self.engine.begin() as conn:
+        # Quiet: on SQLite a renewal wakes none of this process's waiters (bridge.db.changes).
+        with quiet(self.engine).begin() as conn:
             updated = conn.execute(scheduler_members.update().where(mc.holder == self.holder)
                                    .values(heartbeat_at=now)).rowcount
             if not updated:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,14 @@ from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.engine import Engine
 
 from bridge.core.settings import WorkerSettings
+from bridge.db.changes import change_signal
 from bridge.db.engine import db_now, finds_a_row, read_only
 from bridge.tasktable.tables import TaskTable
 
 log = logging.getLogger(__name__)
+
+#: SQLite: an idle worker looks on its own this often (seconds); a commit to the database wakes it sooner.
+IDLE_LOOK = 5.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class WorkerPool:
         self._reader = read_only(engine)
         self._peek = (sa.select(tables.col("id")).where(tables.status_in("dispatched")).limit(1)
                       if engine.dialect.name == "sqlite" else None)
+        self._changes = change_signal(engine)
         self._lock = threading.Lock()
         self.completed = 0
         self.failed = 0
@@ -121,13 +127,28 @@ class WorkerPool:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                seen = self._changes.generation if self._changes is not None else 0
+                looked = time.monotonic()
                 if not self.work_one():
-                    self._stop.wait(self.settings.idle_sleep)
+                    self._idle(seen, looked)
             except Exception:  # a worker survives a database hiccup, like a real one
                 with self._lock:
                     self.errors += 1
                 log.exception("demo worker error")
                 self._stop.wait(1.0)
+
+    def _idle(self, seen: int, looked: float) -> None:
+        """After a look that found nothing. SQLite file: until a commit changes the database (a dispatch is
+        one; :mod:`bridge.db.changes`), looking on its own only every :data:`IDLE_LOOK`, and never sooner than
+        ``idle_sleep`` after its last look (a busy database commits all the time). Otherwise every
+        ``idle_sleep``."""
+        if self._changes is None:
+            self._stop.wait(self.settings.idle_sleep)
+            return
+        deadline = looked + IDLE_LOOK
+        while not self._stop.is_set() and self._changes.generation == seen and time.monotonic() < deadline:
+            self._changes.wait(seen, min(0.25, deadline - time.monotonic()))  # slices: a stop is honoured
+        self._stop.wait(max(0.0, looked + self.settings.idle_sleep - time.monotonic()))
 
     def start(self) -> None:
         for n in range(self.settings.concurrency):

@@ -68,6 +68,7 @@ from bridge.bus.base import (
 from bridge.core.errors import first_line
 from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.idle import MAX_IDLE_POLL, idle_poll
+from bridge.db.changes import ChangeSignal, change_signal
 from bridge.db.engine import db_now, read_only
 from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
@@ -88,6 +89,8 @@ NOTIFY_CHANNEL = "pollbridge_bus"
 #: The longest wait between checks of an idle reader while its process listens for publishes: a lost
 #: notification (a listener reconnecting) delays an entry by at most this.
 LISTENING_IDLE_POLL = 1.0
+#: SQLite: an idle reader looks on its own this often (every commit to the database file wakes it sooner).
+CHANGES_IDLE_LOOK = 5.0
 #: A listener with no reader waiting for this long closes its connection (a reader starts it again).
 LISTENER_IDLE_CLOSE = 10.0
 
@@ -185,7 +188,11 @@ class EmbeddedBus(EventBus):
         self._look_first = self._dialect == "sqlite"
         self._poll = poll_interval
         self._listen = listen and self._dialect == "postgresql"
-        self._wakeup = _wakeup_for(engine, self._listen)
+        # SQLite file: every commit to it (this process's, or another's seen by a file watcher) wakes readers.
+        self._changes = change_signal(engine)
+        self._wakeup: _Wakeup | ChangeSignal = self._changes or _wakeup_for(engine, self._listen)
+        #: SQLite: by (group, partitions), when the last look that found nothing was made, at which generation.
+        self._looked: dict[tuple[str, tuple[int, ...]], tuple[float, int]] = {}
         self._last_delivery = time.monotonic()
 
     def __repr__(self) -> str:
@@ -279,9 +286,11 @@ class EmbeddedBus(EventBus):
         deadline = time.monotonic() + max(block, 0.0)
         # On SQLite a take is a write transaction, found or not: look first, without the lock.
         known = not self._look_first
+        key = (group, tuple(parts))
         while True:
             seen = self._wakeup.generation
-            got = self._take(group, consumer, parts, count) if known or self._has_undelivered(group, parts) else []
+            got = self._take(group, consumer, parts, count) \
+                if known or (self._look_due(key, seen) and self._look(key, seen, group, parts)) else []
             if got:
                 self._last_delivery = time.monotonic()
                 return got
@@ -291,19 +300,44 @@ class EmbeddedBus(EventBus):
                 remaining = deadline - now
                 if remaining <= 0:
                     return []
-                # While the process listens every publish wakes it: look again only as a fallback.
-                wait = LISTENING_IDLE_POLL if self._wakeup.listening else \
-                    idle_poll(self._poll, now - self._last_delivery, MAX_IDLE_POLL)
-                moved = self._wakeup.wait(seen, min(wait, remaining))
+                moved = self._wakeup.wait(seen, min(self._idle_wait(now, key), remaining))
                 if moved != seen:  # a publish (this process's, or another's through the listener): busy again
                     self._last_delivery = time.monotonic()
                     if not self._look_first:  # PostgreSQL takes without a lock to avoid: take at once
                         known = True
                         break
                 seen = moved
-                if self._has_undelivered(group, parts):
+                if self._look_due(key, seen) and self._look(key, seen, group, parts):
                     known = True
                     break
+
+    def _idle_wait(self, now: float, key: tuple[str, tuple[int, ...]]) -> float:
+        """How long an idle reader waits before it looks on its own. SQLite: until its fallback look is due
+        (every commit to the file wakes it before that); while the process listens (PostgreSQL): a second;
+        otherwise a tenth of the idle time, at most 0.1 s."""
+        if self._changes is not None:
+            looked = self._looked.get(key)
+            return CHANGES_IDLE_LOOK if looked is None else max(0.001, looked[0] + CHANGES_IDLE_LOOK - now)
+        if isinstance(self._wakeup, _Wakeup) and self._wakeup.listening:  # every publish wakes it: a fallback
+            return LISTENING_IDLE_POLL
+        return idle_poll(self._poll, now - self._last_delivery, MAX_IDLE_POLL)
+
+    def _look_due(self, key: tuple[str, tuple[int, ...]], seen: int) -> bool:
+        """SQLite: a look is worth a statement only if the database changed since the last one that found
+        nothing (``seen``, the generation then), or the fallback look is due. Elsewhere: always."""
+        if self._changes is None:
+            return True
+        looked = self._looked.get(key)
+        return looked is None or looked[1] != seen or time.monotonic() - looked[0] >= CHANGES_IDLE_LOOK
+
+    def _look(self, key: tuple[str, tuple[int, ...]], seen: int, group: str, parts: list[int]) -> bool:
+        """The lock-free look; remembers one that found nothing (with the generation it looked at)."""
+        found = self._has_undelivered(group, parts)
+        if found:
+            self._looked.pop(key, None)
+        else:
+            self._looked[key] = (time.monotonic(), seen)
+        return found
 
     def ack_and_read(self, group: str, acks: Sequence[Delivery], consumer: str, partitions: Sequence[int],
                      count: int, block: float) -> list[Delivery]:

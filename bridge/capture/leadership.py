@@ -27,6 +27,7 @@ from psycopg.pq import ConnStatus
 from sqlalchemy.engine import Engine
 
 from bridge.core.errors import first_line
+from bridge.db.engine import quiet
 from bridge.db.listen import kept_connection
 from bridge.db.schema import relay_state
 
@@ -115,7 +116,8 @@ class LeaseLeadership(Leadership):
         now = datetime.now(UTC).replace(tzinfo=None)
         stale = now - timedelta(seconds=self.lease_timeout)
         rs = relay_state.c
-        with self.engine.begin() as conn:
+        # Quiet: a renewal wakes none of this process's waiters (bridge.db.changes).
+        with quiet(self.engine).begin() as conn:
             won = conn.execute(
                 relay_state.update()
                 .where(rs.relay_partition == self.partition,

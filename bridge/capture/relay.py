@@ -51,6 +51,7 @@ from bridge.core.idle import idle_poll
 from bridge.core.mapping import StatusValues, TaskTableMapping
 from bridge.core.settings import RelaySettings, WakeMode
 from bridge.core.urls import mask_url
+from bridge.db.changes import change_signal
 from bridge.db.clock import as_utc
 from bridge.db.engine import discard, finds_a_row, read_only
 from bridge.db.listen import ListenWaiter, Waiter
@@ -193,6 +194,14 @@ class Relay:
         self._horizon: str | None = None
         self._unsafe_wait = settings.poll_interval
         self._rate = RateWindow()
+        #: Whether the loop's next cycle looks at the outbox (False after a wait only housekeeping ended).
+        self._look = True
+        #: When an idle relay probes on its own next (monotonic; None: not idle).
+        self._probe_at: float | None = None
+        #: SQLite: this process's signal of commits to the database file (bridge.db.changes), and its
+        #: generation when the relay last looked.
+        self._changes = change_signal(engine)
+        self._seen = 0
         # The loop's connection, kept while run() runs: a pool checkout per cycle would add the pool's
         # pre-ping, a statement per idle second.
         self._conn: Connection | None = None
@@ -278,6 +287,8 @@ class Relay:
         queue behind a claim that finds nothing. This read (on the partial index of unpublished rows)
         takes no lock; a row it misses by a moment is found on the next cycle."""
         assert self._reader is not None
+        if self._changes is not None:  # before the look: a commit during it moves the generation
+            self._seen = self._changes.generation
         return finds_a_row(self._reader, self.queries.peek)
 
     # --- housekeeping -------------------------------------------------------------------------------
@@ -462,21 +473,25 @@ class Relay:
                             self.metrics.backlog.labels(**self._labels).set(0)
                             self.metrics.oldest_age.labels(**self._labels).set(0.0)
                         next_purge = now + self.settings.purge_interval
-                    handled = self.publish_batch() if self.pg or handled >= self.settings.batch_size \
-                        or self._has_unpublished() else 0
+                    look, self._look = self._look, True
+                    handled = 0 if not look else self.publish_batch() \
+                        if self.pg or handled >= self.settings.batch_size or self._has_unpublished() else 0
                     backoff.reset()
                     if handled:
                         last_rows = time.monotonic()
                         self._rate.add(handled, last_rows)
+                    # Housekeeping that is due wakes the loop, but only a change or the probe's own timer
+                    # makes it look at the outbox (_look).
+                    until = min(next_heartbeat, next_epoch, next_purge)
                     if not listen:
                         if not handled:
-                            self._idle(waiter, last_rows)
+                            self._idle(waiter, last_rows, until)
                         continue
                     if handled >= self.settings.batch_size:  # more is waiting
                         continue
                     # A claim that took less than a batch took all there was: no second, empty claim to be
                     # sure (at a trickle that confirmation was a transaction per change).
-                    self._idle_listening(waiter, last_rows)
+                    self._idle_listening(waiter, last_rows, until)
                 except Exception as exc:  # the relay must survive any outage and retry
                     self.metrics.errors.labels(kind=type(exc).__name__).inc()
                     pause = backoff.next()
@@ -505,16 +520,34 @@ class Relay:
             return f"unknown ({first_line(exc)})"
         return str(holder) if holder else "unknown"
 
-    def _idle(self, waiter: Waiter, last_rows: float) -> None:
-        """No LISTEN (``wake = "poll"``, SQLite): probe every ``poll_interval``; the embedded relay idle longer
-        probes less often (20 ms to 0.1 s)."""
+    def _idle(self, waiter: Waiter, last_rows: float, until: float) -> None:
+        """No LISTEN (``wake = "poll"``, SQLite). SQLite: sleep until a commit changes the database (this
+        process's at once, another's within a few ms: :mod:`bridge.db.changes`), probing on its own only every
+        ``idle_probe_interval``. ``poll`` (and a SQLite database in memory): probe every ``poll_interval``;
+        idle longer, the embedded relay probes less often (20 ms to 0.1 s)."""
         s = self.settings
-        idle_for = time.monotonic() - last_rows
+        now = time.monotonic()
+        if self._changes is not None:
+            if self._probe_at is None:
+                self._probe_at = now + s.idle_probe_interval
+            moved = self._changes.wait(self._seen, max(0.0, min(self._probe_at, until) - now)) != self._seen
+            self._after_wait(moved)
+            return
+        idle_for = now - last_rows
         interval = s.poll_interval if (self.pg or idle_for < s.arm_after) \
             else idle_poll(max(s.poll_interval, EMBEDDED_IDLE_PROBE), idle_for)
         waiter.wait(interval)
 
-    def _idle_listening(self, waiter: Waiter, last_rows: float) -> None:
+    def _after_wait(self, woken: bool) -> None:
+        """After an idle wait: look at the outbox if a change woke the relay or its probe is due; a wait cut
+        short by housekeeping (a lease, the bus epoch) does not look."""
+        if woken or (self._probe_at is not None and time.monotonic() >= self._probe_at):
+            self._probe_at = None
+            self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
+        else:
+            self._look = False
+
+    def _idle_listening(self, waiter: Waiter, last_rows: float, until: float) -> None:
         """Between claims on PostgreSQL with ``notify`` or ``adaptive``: sleep until a notification, or poll
         while the change rate is too high for the trigger to notify (``adaptive``).
 
@@ -550,10 +583,11 @@ class Relay:
             self._unsafe_wait = min(2 * self._unsafe_wait, s.fallback_interval)
             if self._horizon_passed():  # then the claim that follows sees whatever such a writer committed
                 self._horizon = None
-        else:
-            woken = waiter.wait(s.idle_probe_interval)
-        # The next cycle's claim is the probe, whether a notification or the timer woke us.
-        self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
+            self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
+            return
+        if self._probe_at is None:
+            self._probe_at = now + s.idle_probe_interval
+        self._after_wait(waiter.wait(max(0.0, min(self._probe_at, until) - time.monotonic())))
 
     def _arm(self) -> None:
         """Raise the trigger's flag and note the arming horizon: until every transaction that could have read

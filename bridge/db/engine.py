@@ -23,6 +23,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from bridge.core.errors import ConfigError, DatabaseUnavailable, first_line
 from bridge.core.urls import mask_url
+from bridge.db.changes import NotifyingConnection, change_signal
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -117,7 +118,8 @@ def create_engine(url: str, *, pool_size: int = 5) -> Engine:
     """Create an engine for a pollbridge URL (not connected yet)."""
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
-        engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
+                                                        "factory": NotifyingConnection})
         _configure_sqlite(engine)
         return engine
     return sa.create_engine(
@@ -138,6 +140,15 @@ def read_only(engine: Engine) -> Engine:
     Never write through it on SQLite: a deferred transaction that later writes can fail at once with
     "database is locked" instead of waiting."""
     return engine.execution_options(**{READ_ONLY: True})
+
+
+QUIET = "pollbridge_quiet"
+
+
+def quiet(engine: Engine) -> Engine:
+    """The same engine for writes no component waits for (lease renewals): on SQLite their commits wake no
+    one (:mod:`bridge.db.changes`, "Quiet commits"). Elsewhere the same engine."""
+    return engine.execution_options(**{QUIET: True})
 
 
 def finds_a_row(reader: Engine, statement: sa.Select[Any]) -> bool:
@@ -187,9 +198,13 @@ def check_connection(engine: Engine) -> None:
 
 
 def _configure_sqlite(engine: Engine) -> None:
+    signal = change_signal(engine)
+
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        if isinstance(dbapi_conn, NotifyingConnection):  # its commits wake this process's waiters
+            dbapi_conn.pb_signal = signal
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
@@ -200,8 +215,12 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
+        options = conn.get_execution_options()
+        dbapi_conn = conn.connection.dbapi_connection
+        if isinstance(dbapi_conn, NotifyingConnection):
+            dbapi_conn.pb_quiet = bool(options.get(QUIET))
         # Read-only work (see read_only()) takes no write lock: in WAL mode it never blocks writers.
-        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if options.get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
 def _sqlite_bucket(workflow_type: str | None, instance_id: Any) -> int:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import psycopg
 from sqlalchemy.engine import Engine
+
+from bridge.db.changes import ChangeSignal
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +95,31 @@ class ListenWaiter(Waiter):
         if self._conn is not None and not self._conn.closed:
             self._conn.close()
         self._conn = None
+
+
+class ChangeWaiter(Waiter):
+    """SQLite: waits for a commit to the database file (:mod:`bridge.db.changes`: this process's at once,
+    another's within a few ms) or the timeout, at most once per ``min_gap`` seconds: a busy database commits
+    all the time, and what the waiter re-reads (the flags) need not follow every commit."""
+
+    def __init__(self, signal: ChangeSignal, stop: threading.Event, min_gap: float) -> None:
+        super().__init__(stop)
+        self.signal = signal
+        self.min_gap = min_gap
+        self._seen = signal.generation
+        self._returned = time.monotonic()
+
+    def wait(self, timeout: float) -> bool:
+        start = time.monotonic()
+        if self.stop.wait(max(0.0, self._returned + self.min_gap - start)):
+            return False
+        remaining = timeout - (time.monotonic() - start)
+        moved = self._seen
+        while remaining > 0 and not self.stop.is_set() and moved == self._seen:
+            step = min(remaining, 0.25)  # short slices so a stop request is honoured promptly
+            moved = self.signal.wait(self._seen, step)
+            remaining -= step
+        woken = moved != self._seen
+        self._seen = moved
+        self._returned = time.monotonic()
+        return woken

@@ -3,7 +3,8 @@
 A :class:`FlagRouter` keeps the flags in memory and re-reads the store from a background thread (or
 when a caller asks, :meth:`refresh`), so a phase change takes effect in every relay, scheduler and
 poller without a restart, and the hot paths (asked per ready task) never touch the database. It
-re-reads every ``refresh_interval`` seconds; on PostgreSQL it LISTENs instead for the notification
+re-reads every ``refresh_interval`` seconds (on a SQLite file: after a commit to it, at most that often, and
+every ``fallback_interval`` without one); on PostgreSQL it LISTENs instead for the notification
 every flag change sends at commit (:data:`bridge.flags.store.FLAGS_CHANNEL`) and re-reads at once, with a
 re-read every ``fallback_interval`` seconds for a notification that never came (a flag row written
 by hand, a listener that reconnected), and every ``refresh_interval`` while the store is unreadable.
@@ -27,7 +28,8 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from bridge.core.errors import FlagStoreUnavailable
 from bridge.core.phases import PHASES, EventRoute, Flag, poller_should_handle
-from bridge.db.listen import ListenWaiter, Waiter
+from bridge.db.changes import change_signal
+from bridge.db.listen import ChangeWaiter, ListenWaiter, Waiter
 from bridge.flags.store import FLAGS_CHANNEL, FlagStore
 
 log = logging.getLogger(__name__)
@@ -168,7 +170,8 @@ class FlagRouter:
     def _listener(self) -> Waiter:
         engine = self.store.engine
         if engine.dialect.name != "postgresql":
-            return Waiter(self._stop)
+            signal = change_signal(engine)  # a SQLite file: re-read after a commit, at most every refresh_interval
+            return Waiter(self._stop) if signal is None else ChangeWaiter(signal, self._stop, self.refresh_interval)
         waiter = ListenWaiter(engine, self._stop, FLAGS_CHANNEL)
         try:
             waiter.ensure_listening()
@@ -178,7 +181,7 @@ class FlagRouter:
         return waiter
 
     def _loop(self, waiter: Waiter) -> None:
-        listening = isinstance(waiter, ListenWaiter)
+        listening = isinstance(waiter, ListenWaiter | ChangeWaiter)
         try:
             while not self._stop.is_set():
                 # Notified changes are read at once; without a notification, a re-read per fallback interval

@@ -261,10 +261,11 @@ def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
     probes = [s for s in statements if s.lstrip().upper().startswith("UPDATE POLLBRIDGE_OUTBOX")]
     assert not [s for s in statements if s.lstrip().upper().startswith("DELETE")]  # no purge: nothing expired
     if env.kind.startswith("sqlite"):
-        # It polls (no NOTIFY), reading the unpublished rows' index without the write lock; it claims nothing,
-        # and its only writes renew its leadership lease row.
+        # No NOTIFY, but nothing commits (its lease renewals are quiet commits): it waits for a commit to the
+        # file and reads the unpublished rows' index, without the write lock, only at its idle probe (it
+        # looked about every 20 ms to 0.1 s before); it claims nothing, and its only writes renew its lease.
         looks = [s for s in statements if s.lstrip().upper().startswith("SELECT") and "pollbridge_outbox" in s]
-        assert len(looks) >= 10, statements[:10]
+        assert 1 <= len(looks) <= 1.5 / 0.5 + 2, len(looks)
         assert probes == []
         writes = [s for s in statements if s.upper().startswith("BEGIN IMMEDIATE")]
         renewals = [s for s in statements if s.lstrip().upper().startswith("UPDATE POLLBRIDGE_RELAY_STATE")]

@@ -1,0 +1,160 @@
+"""SQLite wake-ups without statements (bridge.db.changes): a commit to the database file wakes this process's
+waiters, whoever made it; a quiet commit (a lease renewal) wakes no one; another process's commit is never
+taken for a quiet one.
+
+"Another process" is played by a plain ``sqlite3`` connection (not pollbridge's, so only the file watcher can
+see its commits) and, for the bus, by a real subprocess.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy.engine import Engine
+
+from bridge.bus.embedded import EmbeddedBus
+from bridge.db.changes import ChangeSignal, change_signal
+from bridge.db.engine import create_engine, quiet
+from tests.support import wait_for
+
+#: Longer than any wake-up here: a waiter that returns before it was woken by a commit, not by its timeout.
+LONG = 5.0
+
+
+MARKS = sa.table("marks", sa.column("mark", sa.String))
+
+
+@pytest.fixture
+def engine(sqlite_url: str) -> Iterator[Engine]:
+    engine = create_engine(sqlite_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE marks (mark TEXT)")
+    yield engine
+    engine.dispose()
+
+
+def _signal(engine: Engine) -> ChangeSignal:
+    signal = change_signal(engine)
+    assert signal is not None
+    return signal
+
+
+def _woken_within(signal: ChangeSignal, seen: int, act: threading.Thread, limit: float) -> float:
+    """Start ``act`` and wait for the generation to move past ``seen``; seconds it took (fails past ``limit``)."""
+    started = time.monotonic()
+    act.start()
+    now = seen
+    while now == seen and time.monotonic() - started < limit:
+        now = signal.wait(seen, limit)
+    act.join(5)
+    assert now != seen, f"no wake-up within {limit} s"
+    return time.monotonic() - started
+
+
+def _loud(engine: Engine, mark: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(MARKS.insert().values(mark=mark))
+
+
+def _quiet(engine: Engine, mark: str) -> None:
+    with quiet(engine).begin() as conn:
+        conn.execute(MARKS.insert().values(mark=mark))
+
+
+def _foreign(engine: Engine, mark: str) -> None:
+    other = sqlite3.connect(engine.url.database or "", isolation_level=None)
+    try:
+        other.execute("INSERT INTO marks (mark) VALUES (?)", (mark,))
+    finally:
+        other.close()
+
+
+def test_a_commit_here_wakes_a_waiter_after_it_landed(engine: Engine) -> None:
+    """Woken by this process's commit, and the change is there to read: the signal follows the commit."""
+    _loud(engine, "setup")
+    signal = _signal(engine)
+    seen = signal.generation
+    writer = threading.Thread(target=_loud, args=(engine, "here"))
+    writer.start()
+    deadline = time.monotonic() + 2.0
+    while signal.generation == seen and time.monotonic() < deadline:
+        signal.wait(seen, 0.1)
+    with engine.connect() as conn:  # read at once, before the writer thread is joined
+        marks = set(conn.execute(sa.select(MARKS.c.mark)).scalars())
+    writer.join(5)
+    assert signal.generation != seen and "here" in marks
+
+
+def test_another_processes_commit_wakes_a_waiter(engine: Engine) -> None:
+    _loud(engine, "setup")
+    signal = _signal(engine)
+    took = _woken_within(signal, signal.generation,
+                         threading.Thread(target=_foreign, args=(engine, "elsewhere")), LONG)
+    assert took < 1.0, took
+
+
+def test_a_quiet_commit_wakes_no_one_but_a_foreign_one_right_after_it_does(engine: Engine) -> None:
+    _loud(engine, "setup")
+    signal = _signal(engine)
+    seen = signal.generation
+    signal.wait(seen, 0.05)  # the watcher runs
+    _quiet(engine, "lease")
+    assert signal.wait(seen, 0.5) == seen  # neither the commit nor the watcher signalled it
+    took = _woken_within(signal, seen, threading.Thread(target=_foreign, args=(engine, "other")), LONG)
+    assert took < 1.0, took
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["quiet", "loud", "foreign"]), min_size=1, max_size=6))
+def test_every_commit_but_a_quiet_one_wakes_a_waiter(engine: Engine, kinds: list[str]) -> None:
+    """Whatever the order of quiet, loud (this process's) and foreign commits: each loud or foreign commit
+    moves the generation, even straight after quiet ones (a foreign commit is never taken for a quiet one)."""
+    _loud(engine, "setup")
+    signal = _signal(engine)
+    signal.wait(signal.generation, 0.02)
+    for i, kind in enumerate(kinds):
+        seen = signal.generation
+        act = {"quiet": _quiet, "loud": _loud, "foreign": _foreign}[kind]
+        if kind == "quiet":
+            act(engine, f"q{i}")
+            continue
+        _woken_within(signal, seen, threading.Thread(target=act, args=(engine, f"{kind}{i}")), LONG)
+
+
+def test_an_idle_bus_reader_is_woken_by_another_processes_publish(engine: Engine) -> None:
+    """A reader blocked on the embedded bus (its own look every 5 s) has an entry published by a real other
+    process within a second: the file watcher saw that process's commit."""
+    bus = EmbeddedBus(engine, partitions=1)
+    bus.ensure_group("g")
+    assert bus.read("g", "c", [0], 10, 0.1) == []
+    publish = (
+        "import sys\n"
+        "from datetime import UTC, datetime\n"
+        "from bridge.bus.embedded import EmbeddedBus\n"
+        "from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id, new_trace_id\n"
+        "from bridge.db.engine import create_engine\n"
+        "bus = EmbeddedBus(create_engine(sys.argv[1]), partitions=1)\n"
+        "bus.publish([CloudEvent(id=new_event_id(), type=TASK_STATUS_CHANGED, subject='i', partitionkey='i',\n"
+        "                        time=datetime.now(UTC), traceid=new_trace_id(), data={'instance_id': 'i'})])\n"
+    )
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.extend(bus.read("g", "c", [0], 10, LONG)))
+    reader.start()
+    wait_for(lambda: reader.is_alive(), 2, what="the reader to block")
+    threading.Event().wait(0.2)  # the reader is past its first look, waiting
+    done = subprocess.run([sys.executable, "-c", publish, str(engine.url)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    published = time.monotonic()
+    reader.join(LONG + 1)
+    assert len(got) == 1 and time.monotonic() - published < 1.5, (got, time.monotonic() - published)
+    bus.close()
