@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.engine import Engine
 
 from bridge.core.settings import WorkerSettings
-from bridge.db.changes import change_signal
+from bridge.db.changes import changes_of
 from bridge.db.engine import db_now, finds_a_row, read_only
 from bridge.tasktable.tables import TaskTable
 
@@ -62,7 +62,7 @@ class WorkerPool:
         self._reader = read_only(engine)
         self._peek = (sa.select(tables.col("id")).where(tables.status_in("dispatched")).limit(1)
                       if engine.dialect.name == "sqlite" else None)
-        self._changes = change_signal(engine)
+        self._changes = changes_of(engine, "data")
         self._lock = threading.Lock()
         self.completed = 0
         self.failed = 0

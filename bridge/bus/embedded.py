@@ -68,8 +68,8 @@ from bridge.bus.base import (
 from bridge.core.errors import first_line
 from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.idle import MAX_IDLE_POLL, idle_poll
-from bridge.db.changes import ChangeSignal, change_signal
-from bridge.db.engine import db_now, read_only
+from bridge.db.changes import TopicView, changes_of, mark_about
+from bridge.db.engine import about, db_now, quiet, read_only
 from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
 #: First key of the PostgreSQL advisory locks that order publishes per partition (the second key
@@ -181,6 +181,10 @@ class EmbeddedBus(EventBus):
             raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
         self.partitions = partitions
         self._engine = engine
+        # SQLite: what a write of the bus wakes (bridge.db.changes): a publish wakes its readers; the readers'
+        # own writes (offsets, pending entries, acknowledgements, dead letters, trims) wake no one.
+        self._publishing = about(engine, "bus")
+        self._bookkeeping = quiet(engine)
         # Lock-free checks: on SQLite a deferred transaction, so idle polling takes no write lock.
         self._reader = read_only(engine)
         self._dialect = engine.dialect.name
@@ -189,8 +193,8 @@ class EmbeddedBus(EventBus):
         self._poll = poll_interval
         self._listen = listen and self._dialect == "postgresql"
         # SQLite file: every commit to it (this process's, or another's seen by a file watcher) wakes readers.
-        self._changes = change_signal(engine)
-        self._wakeup: _Wakeup | ChangeSignal = self._changes or _wakeup_for(engine, self._listen)
+        self._changes = changes_of(engine, "bus")
+        self._wakeup: _Wakeup | TopicView = self._changes or _wakeup_for(engine, self._listen)
         #: SQLite: by (group, partitions), when the last look that found nothing was made, at which generation.
         self._looked: dict[tuple[str, tuple[int, ...]], tuple[float, int]] = {}
         self._last_delivery = time.monotonic()
@@ -208,9 +212,10 @@ class EmbeddedBus(EventBus):
     def publish(self, events: Sequence[CloudEvent]) -> None:
         if not events:
             return
-        with self._engine.begin() as conn:
+        with self._publishing.begin() as conn:
             self._append(conn, events)
-        self._wakeup.notify()
+        if self._changes is None:  # SQLite: the commit itself woke the readers (a "bus" commit)
+            self._wakeup.notify()
 
     def publish_in(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
         """Publish inside the caller's open transaction on this bus's database; durable when it commits.
@@ -219,11 +224,15 @@ class EmbeddedBus(EventBus):
         database. On SQLite a caller that holds a write transaction (every transaction there is
         ``BEGIN IMMEDIATE``) and calls :meth:`publish` waits for its own lock until the busy timeout;
         this writes through the caller's connection instead, which also makes "mark the outbox rows
-        published" and "append them to the log" one atomic step. Same-process readers are woken
-        now and, not finding the rows until the commit, pick them up on their next poll."""
+        published" and "append them to the log" one atomic step. On SQLite the commit wakes the readers (the
+        transaction is marked a "bus" commit, :mod:`bridge.db.changes`); elsewhere same-process readers are
+        woken now and, not finding the rows until the commit, pick them up on their next poll."""
         if events:
             self._append(conn, events)
-            self._wakeup.notify()
+            if self._changes is None:
+                self._wakeup.notify()
+            else:
+                mark_about(conn, "bus")
 
     def _append(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
         rows: list[dict[str, Any]] = [
@@ -248,7 +257,7 @@ class EmbeddedBus(EventBus):
     # ------------------------------------------------------------------ groups
 
     def ensure_group(self, group: str) -> None:
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             self._insert_group_rows(conn, group, range(self.partitions))
 
     def _insert_group_rows(self, conn: Connection, group: str, partitions: Iterable[int]) -> None:
@@ -348,7 +357,7 @@ class EmbeddedBus(EventBus):
             return super().ack_and_read(group, acks, consumer, partitions, count, block)
         parts = self._read_args(group, partitions, count)
         try:
-            with self._engine.begin() as conn:
+            with self._bookkeeping.begin() as conn:
                 self._delete_pending(conn, group, ids)
                 got = self._take_in(conn, group, consumer, parts, count) if parts else []
         except Exception:
@@ -364,7 +373,7 @@ class EmbeddedBus(EventBus):
 
     def _take(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
         """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction."""
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             return self._take_in(conn, group, consumer, parts, count)
 
     def _take_in(self, conn: Connection, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
@@ -450,7 +459,7 @@ class EmbeddedBus(EventBus):
         ids = sorted({int(d.entry_id) for d in deliveries})
         if not ids:
             return
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             self._delete_pending(conn, group, ids)
 
     @staticmethod
@@ -464,7 +473,7 @@ class EmbeddedBus(EventBus):
             raise ValueError(f"count must be >= 1, got {count}")
         if not parts:
             return []
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             query = (
                 sa.select(bus_pending.c.entry_id, bus_pending.c.partition, bus_pending.c.deliveries,
                           bus_log.c.payload)
@@ -521,7 +530,7 @@ class EmbeddedBus(EventBus):
     # ------------------------------------------------------------------ dead letters
 
     def dead_letter(self, group: str, delivery: Delivery, reason: str) -> None:
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             conn.execute(bus_dead.insert().values(
                 group_name=group, entry_id=delivery.entry_id, partition=delivery.partition,
                 payload=delivery.payload, reason=reason, created_at=db_now(self._dialect)))
@@ -541,7 +550,7 @@ class EmbeddedBus(EventBus):
         numeric = sorted({int(i) for i in ids if str(i).isdigit()})
         if not numeric:
             return 0
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             return int(conn.execute(bus_dead.delete().where(bus_dead.c.id.in_(numeric))).rowcount)
 
     def dead_letter_count(self) -> int:
@@ -552,7 +561,7 @@ class EmbeddedBus(EventBus):
 
     def purge_all(self) -> int:
         """Empty the bus's four tables in one transaction (``uninstall`` then drops them with the migrations)."""
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             return sum(int(conn.execute(table.delete()).rowcount)
                        for table in (bus_pending, bus_groups, bus_dead, bus_log))
 
@@ -615,7 +624,7 @@ class EmbeddedBus(EventBus):
     def trim(self, retention: float) -> int:
         """Delete entries at least ``retention`` old that every group has read and none has pending."""
         removed = 0
-        with self._engine.begin() as conn:
+        with self._bookkeeping.begin() as conn:
             offsets: dict[str, dict[int, int]] = {}
             for g, p, off in conn.execute(sa.select(bus_groups.c.group_name, bus_groups.c.partition,
                                                     bus_groups.c.last_delivered_id)).all():

@@ -51,7 +51,7 @@ from bridge.core.idle import idle_poll
 from bridge.core.mapping import StatusValues, TaskTableMapping
 from bridge.core.settings import RelaySettings, WakeMode
 from bridge.core.urls import mask_url
-from bridge.db.changes import change_signal
+from bridge.db.changes import changes_of
 from bridge.db.clock import as_utc
 from bridge.db.engine import discard, finds_a_row, read_only
 from bridge.db.listen import ListenWaiter, Waiter
@@ -200,7 +200,7 @@ class Relay:
         self._probe_at: float | None = None
         #: SQLite: this process's signal of commits to the database file (bridge.db.changes), and its
         #: generation when the relay last looked.
-        self._changes = change_signal(engine)
+        self._changes = changes_of(engine, "data")
         self._seen = 0
         # The loop's connection, kept while run() runs: a pool checkout per cycle would add the pool's
         # pre-ping, a statement per idle second.

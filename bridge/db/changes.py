@@ -7,36 +7,36 @@ process replaces those polls with two signals:
 
 * **this process's commits**: every SQLite connection pollbridge opens is a :class:`NotifyingConnection`,
   which signals after a ``commit()`` that wrote rows (``total_changes`` moved), so a change made in
-  ``run-all`` or ``demo`` wakes the relay, the scheduler and the workers at once;
+  ``run-all`` or ``demo`` wakes the relay, the scheduler and the workers at once (those that wait for it:
+  topics, below);
 * **other processes' commits**: while someone waits, one watcher thread per database reads the WAL-index
   header at the start of the ``-shm`` file every :data:`WATCH_INTERVAL`: its change counter ``iChange`` is
   incremented by every committing transaction (https://www.sqlite.org/walformat.html, "The WAL-Index
   Header"; native byte order, offset 8). A ``stat`` and a ``pread``, no statement, no lock. Without a
   header (a database not in WAL mode) it compares the size and modification time of the files instead.
 
-**Quiet commits.** The leases pollbridge renews on SQLite (the relay's, the scheduler's partitions) are
-commits no waiter cares about, yet idle they were the only commits, and every one woke every waiter into a
-look: about ten statements a second. A commit through a :func:`bridge.db.engine.quiet` engine does not
-signal, and tells the watcher which counter value is its own: read inside the transaction, while it holds
-the database's one write lock (no other commit can come between), plus one. The watcher signals any value it
-was not told about, so another process's commit is never taken for a quiet one (the worst case is the
-opposite: a spurious wake-up, a look that finds nothing).
-
-Waiters compare generations (``seen``), so a signal between their last look and their wait is never
-missed. A waiter still looks now and then (its own fallback, seconds apart) against what a file signal
-cannot promise (a database not in WAL mode, a file system that does not update what is watched).
+**Topics, and this process's own commits.** A commit says what it is about: ``data`` (the default: a task
+written, an outbox row, a flag), ``bus`` (an embedded-bus publish), or nothing at all (a quiet commit: a lease
+renewal, a bus reader's offsets and acknowledgements, which no one waits for). A waiter waits for one topic
+(:meth:`ChangeSignal.view`): the relay, the workers and the flag router for ``data``, the bus's readers for
+``bus``. Idle, lease renewals were the only commits, and each woke every waiter into a look; busy, every
+dispatch's half-dozen commits woke the bus's readers. Every commit of this process also tells the watcher
+its counter value (read inside the transaction, while it holds the database's one write lock, so no other
+commit can come between; plus one), so the watcher signals only other processes' commits, on every topic: a
+commit it was not told about is never taken for one of ours (the worst case is a spurious wake-up, a look
+that finds nothing).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import sqlite3
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,74 +51,112 @@ WATCH_INTERVAL = 0.005
 WATCH_IDLE_STOP = 5.0
 #: Bytes of the WAL-index header read (its first copy; ``iChange`` is at offset 8).
 _HEADER_BYTES = 48
-#: Quiet commits remembered until the watcher meets their counter values.
-QUIET_REMEMBERED = 1000
+#: This process's commits remembered until the watcher meets their counter values.
+OWN_REMEMBERED = 1000
+
+
+#: What a commit can be about; a waiter waits for one of them.
+TOPICS = ("data", "bus")
 
 
 class ChangeSignal:
-    """A generation counter for one database file in this process; see the module docstring."""
+    """Generation counters, one per topic, for one database file in this process; see the module docstring."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.generation = 0
+        self._gens = dict.fromkeys(TOPICS, 0)
         self._cond = threading.Condition()
         self._watcher: threading.Thread | None = None
         self._last_wait = 0.0
-        self._shm: tuple[int, int] | None = None  # (descriptor, inode), the watcher's alone
-        #: Counter values of this process's quiet commits the watcher has not met yet (bounded).
-        self._quiet: collections.deque[int] = collections.deque(maxlen=QUIET_REMEMBERED)
+        self._shm: tuple[int, int] | None = None  # (descriptor, inode) of the -shm file, never closed (_header)
+        self._retired: list[int] = []  # descriptors that turned out to name a replaced file (kept open too)
+        self._shm_lock = threading.Lock()
+        #: Counter values of this process's commits the watcher has not met yet (bounded).
+        self._own: collections.deque[int] = collections.deque(maxlen=OWN_REMEMBERED)
 
-    def notify(self) -> None:
+    def notify(self, topics: Iterable[str] = TOPICS) -> None:
         with self._cond:
-            self.generation += 1
+            for topic in topics:
+                self._gens[topic] += 1
             self._cond.notify_all()
+
+    def generation(self, topic: str) -> int:
+        return self._gens[topic]
+
+    def view(self, topic: str) -> TopicView:
+        """The signal as seen by a waiter for ``topic``."""
+        if topic not in self._gens:
+            raise ValueError(f"unknown topic {topic!r}; one of {', '.join(TOPICS)}")
+        return TopicView(self, topic)
 
     def change_counter(self) -> int | None:
         """The WAL-index header's ``iChange`` now (None: no header to read)."""
-        header = _read_header(self.path)
-        return None if header is None else _counter(header)
+        header = self._header()
+        return None if header is None or len(header) < 12 else _counter(header)
 
-    def expect_quiet(self, counter: int) -> None:
-        """The counter value a quiet commit of this process made: the watcher does not signal it."""
+    def expect_own(self, counter: int) -> None:
+        """The counter value a commit of this process made (it signalled its topics itself): the watcher lets it
+        pass."""
         with self._cond:
-            self._quiet.append(counter)
+            self._own.append(counter)
 
-    def wait(self, seen: int, timeout: float) -> int:
-        """Wait until the generation moves past ``seen`` (a commit here or in another process) or ``timeout``
-        passes; returns the current generation."""
+    def wait(self, topic: str, seen: int, timeout: float) -> int:
+        """Wait until ``topic``'s generation moves past ``seen`` (a commit about it here, or any commit of another
+        process) or ``timeout`` passes; returns the current generation."""
         self._watch()
         with self._cond:
-            if self.generation == seen and timeout > 0:
+            if self._gens[topic] == seen and timeout > 0:
                 self._cond.wait(timeout)
-            return self.generation
+            return self._gens[topic]
 
     def _watch(self) -> None:
         with self._cond:
             self._last_wait = time.monotonic()
             if self._watcher is not None and self._watcher.is_alive():
                 return
-            self._watcher = threading.Thread(target=self._run, name="pollbridge-sqlite-watch", daemon=True)
+            # The watcher's baseline is taken now, after the waiter's last look: a commit of another process
+            # between that look and the baseline would be in neither. So a (re)started watcher wakes every
+            # waiter once, and their next look covers it (measured: missed under load without this).
+            baseline = self._signature()
+            self._watcher = threading.Thread(target=self._run, args=(baseline,), name="pollbridge-sqlite-watch",
+                                             daemon=True)
             self._watcher.start()
+            for topic in TOPICS:
+                self._gens[topic] += 1
+            self._cond.notify_all()
 
     def _header(self) -> bytes | None:
-        """The WAL-index header, through a descriptor kept open (reopened when the ``-shm`` file was replaced:
-        SQLite deletes it when its last connection closes)."""
-        shm = f"{self.path}-shm"
-        try:
-            inode = os.stat(shm).st_ino
-            if self._shm is None or self._shm[1] != inode:
-                self._close_shm()
-                self._shm = (os.open(shm, os.O_RDONLY), inode)
-            return os.pread(self._shm[0], _HEADER_BYTES, 0)
-        except OSError:
-            self._close_shm()
-            return None
+        """The WAL-index header, through a descriptor this signal keeps open for the life of the process.
 
-    def _close_shm(self) -> None:
-        if self._shm is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._shm[0])
-            self._shm = None
+        Never closed while it may name the ``-shm`` file SQLite uses: POSIX advisory locks belong to the
+        process and the file, so closing *any* descriptor of the file drops every lock this process's
+        connections hold on it, and SQLite's shared memory is then corrupted by the next writer
+        (https://www.sqlite.org/howtocorrupt.html, 2.2; measured: "database disk image is malformed" within
+        seconds when this look opened and closed the file). A descriptor is let go only once the path names
+        another file: SQLite deletes ``-shm`` only when no connection, in any process, uses it."""
+        shm = f"{self.path}-shm"
+        with self._shm_lock:
+            try:
+                inode = os.stat(shm).st_ino
+            except OSError:
+                return None
+            try:
+                # Replaced: another inode, or the same number reused for a new file after ours was unlinked
+                # (no links left to the file the descriptor names).
+                if self._shm is None or self._shm[1] != inode or os.fstat(self._shm[0]).st_nlink == 0:
+                    old, self._shm = self._shm, None
+                    fd = os.open(shm, os.O_RDONLY)
+                    if os.fstat(fd).st_ino != inode:  # replaced between the stat and the open: next time
+                        self._retired.append(fd)
+                        return None
+                    self._shm = (fd, inode)
+                    with self._cond:  # counter values of the file before belong to another count
+                        self._own.clear()
+                    if old is not None:
+                        os.close(old[0])  # a replaced file: no connection uses it any more (see above)
+                return os.pread(self._shm[0], _HEADER_BYTES, 0)
+            except OSError:
+                return None
 
     def _files(self) -> tuple[Any, ...]:
         parts: list[Any] = []
@@ -135,25 +173,27 @@ class ChangeSignal:
         return ("counter", _counter(header)) if header is not None and len(header) >= 12 else ("files", self._files())
 
     def _changed(self, last: tuple[str, Any], now: tuple[str, Any]) -> bool:
-        """Whether someone other than this process's quiet commits committed between two signatures."""
+        """Whether another process committed between two signatures (not only this process's own commits)."""
         if now == last:
             return False
         if last[0] != "counter" or now[0] != "counter":
             return True
         gap = (now[1] - last[1]) % 2**32
         with self._cond:
-            quiet = set(self._quiet)
-            if gap > len(quiet):
+            # Values the count has passed (commits made while no watcher ran) would only match a later wrap.
+            for value in [v for v in self._own if not 0 < (v - last[1]) % 2**32 <= 2**31]:
+                self._own.remove(value)
+            own = set(self._own)
+            if gap > len(own):
                 return True
-            ours = {(last[1] + i) % 2**32 for i in range(1, gap + 1)}
-            if not ours <= quiet:
+            values = {(last[1] + i) % 2**32 for i in range(1, gap + 1)}
+            if not values <= own:
                 return True
-            for value in ours:
-                self._quiet.remove(value)
+            for value in values:
+                self._own.remove(value)
             return False
 
-    def _run(self) -> None:
-        last = self._signature()
+    def _run(self, last: tuple[str, Any]) -> None:
         while True:
             time.sleep(WATCH_INTERVAL)
             now = self._signature()
@@ -163,43 +203,48 @@ class ChangeSignal:
             with self._cond:
                 if time.monotonic() - self._last_wait > WATCH_IDLE_STOP:
                     self._watcher = None
-                    self._close_shm()
                     return
-
-
-def _read_header(path: Path) -> bytes | None:
-    try:
-        fd = os.open(f"{path}-shm", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        header = os.pread(fd, _HEADER_BYTES, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return header if len(header) >= 12 else None
 
 
 def _counter(header: bytes) -> int:
     return int(struct.unpack_from("=I", header, 8)[0])
 
 
+class TopicView:
+    """One topic of a :class:`ChangeSignal`, with the interface of a generation counter (``generation``,
+    ``wait(seen, timeout)``, ``notify()``)."""
+
+    def __init__(self, signal: ChangeSignal, topic: str) -> None:
+        self.signal = signal
+        self.topic = topic
+
+    @property
+    def generation(self) -> int:
+        return self.signal.generation(self.topic)
+
+    def wait(self, seen: int, timeout: float) -> int:
+        return self.signal.wait(self.topic, seen, timeout)
+
+    def notify(self) -> None:
+        self.signal.notify((self.topic,))
+
+
 class NotifyingConnection(sqlite3.Connection):
     """A SQLite connection that signals its database's :class:`ChangeSignal` after a commit that wrote rows
-    (after, not before: a waiter woken before the commit would look and not find the change); a quiet commit
-    (``pb_quiet``, set per transaction by :mod:`bridge.db.engine`) tells the signal its counter instead."""
+    (after, not before: a waiter woken before the commit would look and not find the change), on the
+    transaction's topics (``pb_topics``, set per transaction by :mod:`bridge.db.engine`; None: ``data``; empty:
+    a quiet commit), and tells the watcher the commit's counter value."""
 
     pb_signal: ChangeSignal | None = None
-    pb_quiet = False
+    pb_topics: frozenset[str] | None = None
     _pb_changes = 0
 
     def commit(self) -> None:
         wrote = self.total_changes != self._pb_changes
-        signal, quiet = self.pb_signal, self.pb_quiet
-        self.pb_quiet = False
+        signal, topics = self.pb_signal, self.pb_topics
+        self.pb_topics = None
         # Inside the transaction, holding the write lock: no other commit can move the counter before ours.
-        before = signal.change_counter() if signal is not None and wrote and quiet else None
+        before = signal.change_counter() if signal is not None and wrote else None
         super().commit()
         if not wrote:
             return
@@ -207,9 +252,16 @@ class NotifyingConnection(sqlite3.Connection):
         if signal is None:
             return
         if before is not None:
-            signal.expect_quiet((before + 1) % 2**32)
-        elif not quiet:
-            signal.notify()
+            signal.expect_own((before + 1) % 2**32)
+        signal.notify(("data",) if topics is None else topics)
+
+
+def mark_about(conn: Any, *topics: str) -> None:
+    """Mark the open transaction of ``conn`` (a SQLAlchemy connection) as about ``topics`` (SQLite; else
+    nothing): its commit wakes only the waiters for those."""
+    dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
+    if isinstance(dbapi_conn, NotifyingConnection):
+        dbapi_conn.pb_topics = frozenset(topics)
 
 
 _signals: dict[Path, ChangeSignal] = {}
@@ -236,3 +288,9 @@ def change_signal(engine: Engine) -> ChangeSignal | None:
         if signal is None:
             signal = _signals[path] = ChangeSignal(path)
         return signal
+
+
+def changes_of(engine: Engine, topic: str) -> TopicView | None:
+    """What a waiter for ``topic`` waits on for ``engine``'s SQLite database file (None: not a SQLite file)."""
+    signal = change_signal(engine)
+    return None if signal is None else signal.view(topic)

@@ -142,13 +142,19 @@ def read_only(engine: Engine) -> Engine:
     return engine.execution_options(**{READ_ONLY: True})
 
 
-QUIET = "pollbridge_quiet"
+TOPICS = "pollbridge_topics"
 
 
 def quiet(engine: Engine) -> Engine:
-    """The same engine for writes no component waits for (lease renewals): on SQLite their commits wake no
-    one (:mod:`bridge.db.changes`, "Quiet commits"). Elsewhere the same engine."""
-    return engine.execution_options(**{QUIET: True})
+    """The same engine for writes no component waits for (lease renewals, a bus reader's offsets): on SQLite
+    their commits wake no one (:mod:`bridge.db.changes`). Elsewhere the same engine."""
+    return engine.execution_options(**{TOPICS: frozenset()})
+
+
+def about(engine: Engine, *topics: str) -> Engine:
+    """The same engine for writes about ``topics`` (``bus``: an embedded-bus publish): on SQLite their commits
+    wake only the waiters for those (:mod:`bridge.db.changes`)."""
+    return engine.execution_options(**{TOPICS: frozenset(topics)})
 
 
 def finds_a_row(reader: Engine, statement: sa.Select[Any]) -> bool:
@@ -217,8 +223,8 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_begin(conn: Connection) -> None:
         options = conn.get_execution_options()
         dbapi_conn = conn.connection.dbapi_connection
-        if isinstance(dbapi_conn, NotifyingConnection):
-            dbapi_conn.pb_quiet = bool(options.get(QUIET))
+        if isinstance(dbapi_conn, NotifyingConnection):  # what its commit is about (bridge.db.changes)
+            dbapi_conn.pb_topics = options.get(TOPICS)
         # Read-only work (see read_only()) takes no write lock: in WAL mode it never blocks writers.
         conn.exec_driver_sql("BEGIN" if options.get(READ_ONLY) else "BEGIN IMMEDIATE")
 

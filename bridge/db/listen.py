@@ -16,7 +16,7 @@ import time
 import psycopg
 from sqlalchemy.engine import Engine
 
-from bridge.db.changes import ChangeSignal
+from bridge.db.changes import TopicView
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ChangeWaiter(Waiter):
     another's within a few ms) or the timeout, at most once per ``min_gap`` seconds: a busy database commits
     all the time, and what the waiter re-reads (the flags) need not follow every commit."""
 
-    def __init__(self, signal: ChangeSignal, stop: threading.Event, min_gap: float) -> None:
+    def __init__(self, signal: TopicView, stop: threading.Event, min_gap: float) -> None:
         super().__init__(stop)
         self.signal = signal
         self.min_gap = min_gap

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from bridge.core.errors import FlagStoreUnavailable
 from bridge.core.phases import PHASES, EventRoute, Flag, poller_should_handle
-from bridge.db.changes import change_signal
+from bridge.db.changes import changes_of
 from bridge.db.listen import ChangeWaiter, ListenWaiter, Waiter
 from bridge.flags.store import FLAGS_CHANNEL, FlagStore
 
@@ -170,7 +170,7 @@ class FlagRouter:
     def _listener(self) -> Waiter:
         engine = self.store.engine
         if engine.dialect.name != "postgresql":
-            signal = change_signal(engine)  # a SQLite file: re-read after a commit, at most every refresh_interval
+            signal = changes_of(engine, "data")  # a SQLite file: re-read after a commit, at most every refresh_interval
             return Waiter(self._stop) if signal is None else ChangeWaiter(signal, self._stop, self.refresh_interval)
         waiter = ListenWaiter(engine, self._stop, FLAGS_CHANNEL)
         try:

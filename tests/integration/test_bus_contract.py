@@ -116,9 +116,16 @@ def _raw_append(bus: EventBus, partition: int, payload: str | bytes | None, even
         return
     assert isinstance(bus, EmbeddedBus)
     text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload or ""
-    with bus.engine.begin() as conn:
-        conn.execute(bus_log.insert().values(partition=partition, event_id=event_id[:36], payload=text,
-                                             created_at=db_now(bus.engine.dialect.name)))
+    # On SQLite through a plain SQLAlchemy engine, not pollbridge's: its commit is another process's to the
+    # bus's readers (only their file watcher sees it), as a write of another process would be.
+    engine = sa.create_engine(bus.engine.url) if bus.engine.dialect.name == "sqlite" else bus.engine
+    try:
+        with engine.begin() as conn:
+            conn.execute(bus_log.insert().values(partition=partition, event_id=event_id[:36], payload=text,
+                                                 created_at=db_now(bus.engine.dialect.name)))
+    finally:
+        if engine is not bus.engine:
+            engine.dispose()
 
 
 def _read_n(bus: EventBus, group: str, consumer: str, n: int, partitions: list[int] = ALL,

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
 from bridge.bus.embedded import EmbeddedBus
-from bridge.db.changes import ChangeSignal, change_signal
-from bridge.db.engine import create_engine, quiet
+from bridge.db.changes import TopicView, changes_of
+from bridge.db.engine import about, create_engine, quiet
 from tests.support import wait_for
 
 #: Longer than any wake-up here: a waiter that returns before it was woken by a commit, not by its timeout.
@@ -42,13 +42,26 @@ def engine(sqlite_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def _signal(engine: Engine) -> ChangeSignal:
-    signal = change_signal(engine)
+def _signal(engine: Engine, topic: str = "data") -> TopicView:
+    """The engine's signal for ``topic`` with its watcher running (a starting watcher wakes every waiter once:
+    absorbed here, so a wake-up the tests see is a commit's)."""
+    signal = changes_of(engine, topic)
     assert signal is not None
+    signal.wait(signal.generation, 0.1)  # starts the watcher (and takes its wake-up) if it is not running
     return signal
 
 
-def _woken_within(signal: ChangeSignal, seen: int, act: threading.Thread, limit: float) -> float:
+def test_a_starting_watcher_wakes_the_waiters_once(engine: Engine) -> None:
+    """Its baseline is taken after the waiter's last look: a commit between them would be seen by neither, so
+    the waiter is woken to look again."""
+    signal = changes_of(engine, "data")
+    assert signal is not None
+    seen = signal.generation
+    assert signal.wait(seen, 2.0) == seen + 1
+    assert signal.wait(seen + 1, 0.3) == seen + 1  # running: no more wake-ups without a commit
+
+
+def _woken_within(signal: TopicView, seen: int, act: threading.Thread, limit: float) -> float:
     """Start ``act`` and wait for the generation to move past ``seen``; seconds it took (fails past ``limit``)."""
     started = time.monotonic()
     act.start()
@@ -67,6 +80,11 @@ def _loud(engine: Engine, mark: str) -> None:
 
 def _quiet(engine: Engine, mark: str) -> None:
     with quiet(engine).begin() as conn:
+        conn.execute(MARKS.insert().values(mark=mark))
+
+
+def _bus(engine: Engine, mark: str) -> None:
+    with about(engine, "bus").begin() as conn:
         conn.execute(MARKS.insert().values(mark=mark))
 
 
@@ -106,25 +124,42 @@ def test_a_quiet_commit_wakes_no_one_but_a_foreign_one_right_after_it_does(engin
     _loud(engine, "setup")
     signal = _signal(engine)
     seen = signal.generation
-    signal.wait(seen, 0.05)  # the watcher runs
     _quiet(engine, "lease")
     assert signal.wait(seen, 0.5) == seen  # neither the commit nor the watcher signalled it
     took = _woken_within(signal, seen, threading.Thread(target=_foreign, args=(engine, "other")), LONG)
     assert took < 1.0, took
 
 
+def test_a_commit_wakes_the_waiters_of_its_topic_only(engine: Engine) -> None:
+    """A bus publish's commit wakes the bus's readers, not the relay or the workers (who wait for data); a data
+    commit wakes them, not the bus's readers. Another process's commit wakes both (its topic is unknown)."""
+    _loud(engine, "setup")
+    data, bus = _signal(engine, "data"), _signal(engine, "bus")
+    seen_data, seen_bus = data.generation, bus.generation
+    _bus(engine, "published")
+    assert bus.wait(seen_bus, 2.0) != seen_bus
+    assert data.wait(seen_data, 0.3) == seen_data
+    seen_bus = bus.generation
+    _loud(engine, "task written")
+    assert data.wait(seen_data, 2.0) != seen_data
+    assert bus.wait(seen_bus, 0.3) == seen_bus
+    seen_data = data.generation
+    _foreign(engine, "elsewhere")
+    assert data.wait(seen_data, LONG) != seen_data and bus.wait(seen_bus, LONG) != seen_bus
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.sampled_from(["quiet", "loud", "foreign"]), min_size=1, max_size=6))
+@given(st.lists(st.sampled_from(["quiet", "bus", "loud", "foreign"]), min_size=1, max_size=6))
 def test_every_commit_but_a_quiet_one_wakes_a_waiter(engine: Engine, kinds: list[str]) -> None:
-    """Whatever the order of quiet, loud (this process's) and foreign commits: each loud or foreign commit
-    moves the generation, even straight after quiet ones (a foreign commit is never taken for a quiet one)."""
+    """Whatever the order of quiet, bus, loud (this process's data) and foreign commits: each loud or foreign
+    commit wakes a data waiter, even straight after this process's other commits (a foreign commit is never
+    taken for one of ours)."""
     _loud(engine, "setup")
     signal = _signal(engine)
-    signal.wait(signal.generation, 0.02)
     for i, kind in enumerate(kinds):
         seen = signal.generation
-        act = {"quiet": _quiet, "loud": _loud, "foreign": _foreign}[kind]
-        if kind == "quiet":
+        act = {"quiet": _quiet, "bus": _bus, "loud": _loud, "foreign": _foreign}[kind]
+        if kind in ("quiet", "bus"):
             act(engine, f"q{i}")
             continue
         _woken_within(signal, seen, threading.Thread(target=act, args=(engine, f"{kind}{i}")), LONG)

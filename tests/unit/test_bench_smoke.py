@@ -13,7 +13,7 @@ from bench.paths import build_workload
 from bridge.reference.oracle import percentile
 
 
-@pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal"])
+@pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal", "bench.cost"])
 def test_help_parses(module: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(module).main(["--help"])
@@ -64,4 +64,22 @@ def test_png_drawn_when_matplotlib_is_there(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "cdf.png"
     assert pc.plot(str(png), "t", "x", "y", {"a": [[1.0, 0.5], [2.0, 1.0]]}, logx=True, step=True) is None
+    assert png.stat().st_size > 1000
+
+
+def test_cost_counts_sqlite_write_transactions_and_plots(tmp_path: Path) -> None:
+    from bench import cost
+
+    before = {"n": 3, "texts": {"BEGIN IMMEDIATE": 2, "SELECT 1": 1}}
+    after = {"n": 9, "texts": {"BEGIN IMMEDIATE": 5, "BEGIN": 1, "SELECT 1": 3}}
+    assert cost._begins(before, after) == 3
+    assert cost.plot(None, {"windows": []}) is None
+    pytest.importorskip("matplotlib")
+    windows = [{"config": "trigger", "rate": r, "transactions_per_completion": 60 / r, "statements_per_completion": 4.0,
+                "p50_ms": 4.0, "p99_ms": 20.0} for r in (2.0, 20.0)]
+    windows += [{"config": "embedded", "rate": 20.0, "statements_per_completion": 80.0, "p50_ms": 16.0, "p99_ms": 90.0},
+                {"config": "trigger", "rate": 0.0, "transactions_per_completion": None, "p50_ms": None, "p99_ms": None},
+                {"config": "wal", "rate": 2.0, "error": "broke"}]
+    png = tmp_path / "cost.png"
+    assert cost.plot(str(png), {"windows": windows}) is None
     assert png.stat().st_size > 1000
