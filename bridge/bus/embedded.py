@@ -21,12 +21,14 @@ Why it is built the way it is:
   serialises writers anyway. On SQLite the highest row of the log is never trimmed either: without
   ``AUTOINCREMENT`` SQLite reuses the largest deleted rowid, which would hide a new entry behind
   an offset that already passed that id.
-* **Blocking read** re-checks with a cheap lock-free query (the offsets, then "is anything after
-  them") every ``poll_interval`` while entries flow, less often the longer the bus has been idle
-  (:func:`bridge.core.idle.idle_poll`: a tenth of the idle time, at most 0.1 s), and a process-wide
-  condition per database, notified by ``publish``, wakes a same-process consumer at once. On SQLite an
-  idle consumer so costs about ten checks a second, and the first entry after a long idle spell reaches
-  another process within 0.1 s. On PostgreSQL a publish also NOTIFYs (delivered at its commit) and a
+* **Blocking read** on a SQLite file waits for a commit about the bus (:mod:`bridge.db.changes`: this
+  process's publishes at once, another process's commits within a few ms, seen by a file watcher) and
+  looks, with a cheap lock-free query (the offsets, then "is anything after them"), only then or every
+  :data:`CHANGES_IDLE_LOOK` seconds: an idle consumer sends no statement in between (it looked about ten
+  times a second before). Elsewhere it re-checks every ``poll_interval`` while entries flow, less often the
+  longer the bus has been idle (:func:`bridge.core.idle.idle_poll`: a tenth of the idle time, at most
+  0.1 s), and a process-wide condition per database, notified by ``publish``, wakes a same-process
+  consumer at once. On PostgreSQL a publish also NOTIFYs (delivered at its commit) and a
   waiting reader's process LISTENs on one connection of its own, which wakes its readers at once: an
   entry reaches another process's idle reader without waiting for a poll, and an idle reader checks only
   once a second (the fallback, should a notification be lost while the listener reconnects).

@@ -36,7 +36,7 @@ from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.phases import FixedRouter
 from bridge.core.settings import SchedulerSettings, load_settings
-from bridge.db.engine import create_engine
+from bridge.db.engine import about, create_engine
 from bridge.reference.schema import create_demo_schema
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
@@ -565,7 +565,8 @@ def consumer(installed: tuple[str, Engine]) -> Iterator[tuple[Engine, EmbeddedBu
 
 
 def _append_raw(engine: Engine, partition: int, payloads: list[str]) -> None:
-    with engine.begin() as conn:
+    # A commit about the bus (bridge.db.changes): on SQLite only those wake the bus's readers in this process.
+    with about(engine, "bus").begin() as conn:
         conn.execute(sa.text("INSERT INTO pollbridge_bus_log (partition, event_id, payload, created_at) "
                              "VALUES (:p, :e, :payload, CURRENT_TIMESTAMP)"),
                      [{"p": partition, "e": f"raw-{n}", "payload": text} for n, text in enumerate(payloads)])
