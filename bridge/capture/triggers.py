@@ -53,10 +53,11 @@ from sqlalchemy.exc import NoSuchTableError
 from bridge.core.errors import MappingMismatch
 from bridge.core.mapping import RelatedTable
 from bridge.core.settings import WAKE_MODES, WakeMode
+from bridge.db.schema import OUTBOX_CHANNEL
 from bridge.db.sqlblocks import render, sql_literal
 from bridge.tasktable.tables import TaskTable
 
-NOTIFY_CHANNEL = "pollbridge_outbox"
+NOTIFY_CHANNEL = OUTBOX_CHANNEL
 TRIGGER_NAMES = ("pollbridge_capture_insert", "pollbridge_capture_update")
 FUNCTION_NAME = "pollbridge_capture"
 #: The columns the update trigger compares, in the order their change kinds take precedence.

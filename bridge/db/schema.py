@@ -49,6 +49,10 @@ dispatch_log = sa.Table(
 #: the same transaction. Rows are read by ``published_at IS NULL`` (never by a high-water id, since a
 #: smaller id can commit after a larger one), marked published after the bus acknowledged them, kept
 #: for the retention window (bus-loss recovery republishes them) and then purged.
+#: The channel a captured change NOTIFYs on PostgreSQL (the capture trigger while the relay is armed, and
+#: pollbridge's own outbox rows: a released task's wake-up); the relay LISTENs on it.
+OUTBOX_CHANNEL = "pollbridge_outbox"
+
 outbox = sa.Table(
     "pollbridge_outbox",
     metadata,

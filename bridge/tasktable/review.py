@@ -42,7 +42,7 @@ from sqlalchemy.engine import Connection
 from bridge.core.errors import ReviewError
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_ago, db_now
-from bridge.db.schema import outbox, review
+from bridge.db.schema import OUTBOX_CHANNEL, outbox, review
 from bridge.tasktable.tables import TaskTable, parse_task_id
 
 Guard = Literal["depth", "dispatches"]
@@ -302,6 +302,8 @@ def _wake(conn: Connection, tt: TaskTable, row: Any, relay_partitions: int) -> N
         workflow_type=row.workflow_type, task_key=str(row.task_key), change="status", old_status=pending,
         new_status=pending, trace_id=uuid.uuid4().hex, relay_partition=partition,
         created_at=db_now(tt.dialect_name), attempt=row.attempt))
+    if tt.dialect_name == "postgresql":  # at the commit: a listening relay publishes it now, not at its idle probe
+        conn.execute(sa.select(sa.func.pg_notify(OUTBOX_CHANNEL, "")))
 
 
 def _task_id_value(tt: TaskTable, task_id: str) -> Any:

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
@@ -27,7 +28,7 @@ from sqlalchemy.engine import Engine
 from bridge.core.mapping import StatusValues, TaskColumns, TaskTableMapping
 from bridge.core.phases import FixedRouter
 from bridge.core.settings import SchedulerSettings
-from bridge.db.schema import dispatch_log, outbox, review
+from bridge.db.schema import OUTBOX_CHANNEL, dispatch_log, outbox, review
 from bridge.flags.router import FlagRouter
 from bridge.flags.store import FlagStore
 from bridge.reconcile.classify import count_by_type
@@ -351,6 +352,24 @@ def test_a_release_restarts_the_fallbacks_grace_and_wakes_the_scheduler(engine: 
     assert [(w.instance_id, w.change, w.published_at) for w in woken if w.change != "insert"] == \
         [("wake", "status", None)]
     assert [t.task_key for t in _evaluator(engine, tt, router).evaluate(["wake"]).dispatched] == ["deep"]
+
+
+def test_a_release_notifies_a_listening_relay(engine: Engine) -> None:
+    """PostgreSQL: the wake-up row of a release left pending NOTIFYs at its commit, so a listening relay publishes
+    it at once (its idle probe is seconds apart; the task table is not written, so no trigger notifies)."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has no NOTIFY: a release's commit wakes the relay of its process (bridge.db.changes)")
+    tt = _tables(engine, review_status=False)
+    ids = _seed(engine, tt, "notified", ["deep"], depth={"deep": 9})
+    assert _evaluator(engine, tt, max_depth=2).evaluate(["notified"]).stopped
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {OUTBOX_CHANNEL}")
+        with engine.begin() as conn:
+            [outcome] = queue.decide(conn, tt, [str(ids["deep"])], "released", actor="a", reason="ok",
+                                     phase_of=lambda t: "cutover")
+        assert outcome.done
+        assert list(listener.notifies(timeout=5, stop_after=1)), "no notification for the wake-up row"
 
 
 def test_a_task_moved_by_hand_is_not_stuck_in_the_queue(engine: Engine) -> None:
