@@ -136,9 +136,20 @@ def set_armed_statement(partition: int, armed: bool) -> sa.Update:
 #: have read the armed flag before it was set had its id by then (its trigger runs after its own row write).
 ARM_HORIZON_SQL = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text"
 
-#: PostgreSQL: whether every transaction older than a horizon (``:horizon``, from :data:`ARM_HORIZON_SQL`) has
-#: ended, so a claim from now on sees every row a writer added without notifying.
-HORIZON_PASSED_SQL = "SELECT pg_snapshot_xmin(pg_current_snapshot()) >= CAST(:horizon AS xid8)"
+#: PostgreSQL: whether every transaction that could have read the flag down has ended, so a claim from now on
+#: sees every row a writer added without notifying: every transaction id below the horizon (``:horizon``, from
+#: :data:`ARM_HORIZON_SQL`) has ended, and no session still holds a snapshot from before it (a REPEATABLE READ
+#: writer reads the flag with its first snapshot and may take its id later; ``backend_xmin`` is shown for
+#: every role's sessions). Conservative: a snapshot taken since, before any new id, also counts.
+HORIZON_PASSED_SQL = (
+    "SELECT pg_snapshot_xmin(pg_current_snapshot()) >= CAST(:horizon AS xid8) AND NOT EXISTS ("
+    "SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL "
+    "AND age(backend_xmin) >= age(xid(CAST(:horizon AS xid8))))")
+
+#: PostgreSQL: the armed flag raised again if it is down (another relay of the partition, in the moment it lost
+#: the partition, may have lowered it); a row back means it was down.
+REASSERT_ARMED_SQL = ("UPDATE pollbridge_relay_state SET armed = true WHERE relay_partition = :partition "
+                      "AND NOT armed RETURNING 1")
 
 
 @dataclass(frozen=True)

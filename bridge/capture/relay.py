@@ -41,7 +41,7 @@ from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import read_backlog
-from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, RelayQueries
+from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, REASSERT_ARMED_SQL, RelayQueries
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
 from bridge.capture.triggers import NOTIFY_CHANNEL
 from bridge.core.backoff import Backoff
@@ -455,10 +455,15 @@ class Relay:
                             stop.wait(min(1.0, self.settings.lease_timeout / 3))
                             continue
                     if now >= next_epoch:
-                        self.check_bus_epoch()
-                        paused = self._memory_paused()
+                        if self.check_bus_epoch():  # requeued rows notify no one: claim them now
+                            self._look, self._probe_at = True, None
+                        was_paused, paused = paused, self._memory_paused()
+                        if was_paused and not paused:
+                            self._look, self._probe_at = True, None
                         next_epoch = now + self.settings.epoch_check_interval
                     if paused:  # backpressure: the outbox keeps the changes until the bus has room
+                        if self._armed:  # unheard while paused, the writers' NOTIFYs would only fill the queue
+                            self._set_armed(False)
                         stop.wait(self.settings.epoch_check_interval)
                         continue
                     if now >= next_purge:
@@ -540,12 +545,21 @@ class Relay:
 
     def _after_wait(self, woken: bool) -> None:
         """After an idle wait: look at the outbox if a change woke the relay or its probe is due; a wait cut
-        short by housekeeping (a lease, the bus epoch) does not look."""
+        short by housekeeping (a lease, the bus epoch) does not look. At a timer's probe an armed relay also
+        makes sure its flag is still up (a relay that lost the partition may have lowered it on its way out)."""
         if woken or (self._probe_at is not None and time.monotonic() >= self._probe_at):
             self._probe_at = None
             self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
+            if not woken and self.pg and self.wake == "adaptive" and self._armed and self._flag_was_down():
+                log.warning("relay partition %d: its NOTIFY flag was down; raised again", self.partition)
+                self._armed = False
+                self._arm()
         else:
             self._look = False
+
+    def _flag_was_down(self) -> bool:
+        with self._begin() as conn:
+            return conn.execute(sa.text(REASSERT_ARMED_SQL), {"partition": self.partition}).first() is not None
 
     def _idle_listening(self, waiter: Waiter, last_rows: float, until: float) -> None:
         """Between claims on PostgreSQL with ``notify`` or ``adaptive``: sleep until a notification, or poll
@@ -570,7 +584,13 @@ class Relay:
                              self.partition, self._rate.rate, s.notify_max_rate)
                 waiter.wait(s.poll_interval)
                 return
-        fresh = waiter.ensure_listening()
+        try:
+            fresh = waiter.ensure_listening()
+        except Exception as exc:  # the listener alone cannot connect: poll meanwhile, keep the partition
+            log.warning("relay partition %d cannot LISTEN (%s); probing every %.1f s meanwhile", self.partition,
+                        first_line(exc), s.fallback_interval)
+            waiter.stop.wait(min(s.fallback_interval, max(0.0, until - now)))
+            return
         if self.wake == "adaptive" and not self._armed:
             self._arm()
             fresh = True

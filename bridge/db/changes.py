@@ -75,6 +75,9 @@ class ChangeSignal:
         self._own: collections.deque[int] = collections.deque(maxlen=OWN_REMEMBERED)
 
     def notify(self, topics: Iterable[str] = TOPICS) -> None:
+        topics = tuple(topics)
+        if not topics:  # a quiet commit: nothing for anyone
+            return
         with self._cond:
             for topic in topics:
                 self._gens[topic] += 1
@@ -103,21 +106,28 @@ class ChangeSignal:
     def wait(self, topic: str, seen: int, timeout: float) -> int:
         """Wait until ``topic``'s generation moves past ``seen`` (a commit about it here, or any commit of another
         process) or ``timeout`` passes; returns the current generation."""
-        self._watch()
-        with self._cond:
-            if self._gens[topic] == seen and timeout > 0:
-                self._cond.wait(timeout)
-            return self._gens[topic]
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            self._watch()  # in slices below WATCH_IDLE_STOP: the watcher never stops under a waiter
+            with self._cond:
+                remaining = deadline - time.monotonic()
+                if self._gens[topic] != seen or remaining <= 0:
+                    return self._gens[topic]
+                self._cond.wait(min(remaining, WATCH_IDLE_STOP / 2))
 
     def _watch(self) -> None:
         with self._cond:
             self._last_wait = time.monotonic()
             if self._watcher is not None and self._watcher.is_alive():
                 return
-            # The watcher's baseline is taken now, after the waiter's last look: a commit of another process
-            # between that look and the baseline would be in neither. So a (re)started watcher wakes every
-            # waiter once, and their next look covers it (measured: missed under load without this).
-            baseline = self._signature()
+        # The watcher's baseline is taken now, after the waiter's last look: a commit of another process
+        # between that look and the baseline would be in neither. So a (re)started watcher wakes every
+        # waiter once, and their next look covers it (measured: missed under load without this). Taken
+        # outside _cond: _header takes _shm_lock, then _cond (one lock order, or a commit deadlocks with it).
+        baseline = self._signature()
+        with self._cond:
+            if self._watcher is not None and self._watcher.is_alive():
+                return
             self._watcher = threading.Thread(target=self._run, args=(baseline,), name="pollbridge-sqlite-watch",
                                              daemon=True)
             self._watcher.start()
@@ -168,32 +178,34 @@ class ChangeSignal:
                 parts.append(None)
         return tuple(parts)
 
-    def _signature(self) -> tuple[str, Any]:
+    def _signature(self) -> tuple[str, Any, Any]:
         header = self._header()
-        return ("counter", _counter(header)) if header is not None and len(header) >= 12 else ("files", self._files())
+        if header is not None and len(header) >= 12 and self._shm is not None:
+            return ("counter", self._shm[1], _counter(header))  # a new -shm file restarts the count
+        return ("files", None, self._files())
 
-    def _changed(self, last: tuple[str, Any], now: tuple[str, Any]) -> bool:
+    def _changed(self, last: tuple[str, Any, Any], now: tuple[str, Any, Any]) -> bool:
         """Whether another process committed between two signatures (not only this process's own commits)."""
         if now == last:
             return False
-        if last[0] != "counter" or now[0] != "counter":
+        if last[0] != "counter" or now[0] != "counter" or last[1] != now[1]:
             return True
-        gap = (now[1] - last[1]) % 2**32
+        gap = (now[2] - last[2]) % 2**32
         with self._cond:
             # Values the count has passed (commits made while no watcher ran) would only match a later wrap.
-            for value in [v for v in self._own if not 0 < (v - last[1]) % 2**32 <= 2**31]:
+            for value in [v for v in self._own if not 0 < (v - last[2]) % 2**32 <= 2**31]:
                 self._own.remove(value)
             own = set(self._own)
             if gap > len(own):
                 return True
-            values = {(last[1] + i) % 2**32 for i in range(1, gap + 1)}
+            values = {(last[2] + i) % 2**32 for i in range(1, gap + 1)}
             if not values <= own:
                 return True
             for value in values:
                 self._own.remove(value)
             return False
 
-    def _run(self, last: tuple[str, Any]) -> None:
+    def _run(self, last: tuple[str, Any, Any]) -> None:
         while True:
             time.sleep(WATCH_INTERVAL)
             now = self._signature()
@@ -246,14 +258,22 @@ class NotifyingConnection(sqlite3.Connection):
         # Inside the transaction, holding the write lock: no other commit can move the counter before ours.
         before = signal.change_counter() if signal is not None and wrote else None
         super().commit()
-        if not wrote:
-            return
         self._pb_changes = self.total_changes
-        if signal is None:
+        if not wrote or signal is None:
             return
         if before is not None:
-            signal.expect_own((before + 1) % 2**32)
+            # Ours only if the counter moved by exactly one: a commit that wrote nothing SQLite had to keep (an
+            # UPDATE to the same bytes) does not move it, and registering it would let the next commit, maybe
+            # another process's, pass unseen. (Left: another process committing in the microseconds between
+            # our commit and this read, after a commit of ours that did not move it.)
+            after = signal.change_counter()
+            if after == (before + 1) % 2**32:
+                signal.expect_own(after)
         signal.notify(("data",) if topics is None else topics)
+
+    def rollback(self) -> None:
+        super().rollback()
+        self._pb_changes = self.total_changes  # a rolled-back write is not the next commit's
 
 
 def mark_about(conn: Any, *topics: str) -> None:

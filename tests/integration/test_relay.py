@@ -273,10 +273,10 @@ def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
     else:
         # Armed, it probes every fallback_interval only until every transaction that could have read the flag
         # down has ended (one look at the horizon, here the first), then every idle_probe_interval.
-        horizon = [s for s in statements if "pg_snapshot_xmin" in s]
+        horizon = [s for s in statements if "pg_snapshot_xmin" in s or "SET armed = true" in s]
         assert probes, "the fallback probe did not run"
         assert len(probes) <= 1.5 / 0.5 + 2, len(probes)  # one an idle_probe_interval
-        assert len(horizon) <= 1, len(horizon)
+        assert len([s for s in horizon if "pg_snapshot_xmin" in s]) <= 1, horizon
         assert statements == [s for s in statements if s in probes or s in horizon], \
             [s.split()[0:3] for s in statements if s not in probes]
         assert _lock_backend_state(env) == lock_backend  # the lock's connection was sent nothing
@@ -593,6 +593,35 @@ def test_a_writer_that_read_the_flag_down_is_published_without_waiting_for_the_f
                  what="the late writer's change published before the 5 s fallback")
         assert time.monotonic() - committed < 2.5
         wait_for(lambda: relay._horizon is None, 5, what="the relay to see the writer ended and stop looking")
+    finally:
+        writer.close()
+
+
+def test_a_repeatable_read_writer_whose_snapshot_predates_the_arming_is_not_left_to_the_idle_probe(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """A REPEATABLE READ writer reads the flag with its first snapshot, taken before the relay armed, and takes
+    its transaction id only when it writes, after the arming: no id-based horizon sees it. The relay's horizon
+    also waits for every snapshot older than the arming (pg_stat_activity.backend_xmin), so it keeps looking
+    while that snapshot lives and the change is out long before the idle probe (30 s here)."""
+    _postgres_only(env)
+    with env.engine.begin() as conn:
+        conn.execute(env.tables.instances.insert().values(id="rr", workflow_type="orders"))  # type: ignore[union-attr]
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    writer = env.engine.connect().execution_options(isolation_level="REPEATABLE READ")
+    try:
+        tx = writer.begin()
+        writer.execute(sa.select(relay_state.c.armed)).all()  # the snapshot: the flag is down
+        running(relay)
+        wait_for(lambda: _armed(env), 10, what="the relay to arm")
+        threading.Event().wait(0.3)
+        assert relay._horizon is not None  # the old snapshot keeps it looking
+        writer.execute(env.tables.tasks.insert().values(instance_id="rr", task_key="late", depends_on=[]))
+        tx.commit()
+        committed = time.monotonic()
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 5,
+                 what="the repeatable-read writer's change published")
+        assert time.monotonic() - committed < 5
+        wait_for(lambda: relay._horizon is None, 10, what="the relay to stop looking once the snapshot is gone")
     finally:
         writer.close()
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
 from bridge.bus.embedded import EmbeddedBus
-from bridge.db.changes import TopicView, changes_of
+from bridge.db.changes import ChangeSignal, TopicView, changes_of
 from bridge.db.engine import about, create_engine, quiet
 from tests.support import wait_for
 
@@ -193,3 +193,53 @@ def test_an_idle_bus_reader_is_woken_by_another_processes_publish(engine: Engine
     reader.join(LONG + 1)
     assert len(got) == 1 and time.monotonic() - published < 1.5, (got, time.monotonic() - published)
     bus.close()
+
+
+@pytest.mark.parametrize("before", ["a write rolled back", "an update to the same value"])
+def test_a_commit_that_moved_nothing_does_not_hide_the_next_foreign_one(engine: Engine, before: str) -> None:
+    """A commit of ours that SQLite did not have to write (after a rolled-back write, or an UPDATE to the same
+    bytes) does not move the change counter: registered as ours, it would have let another process's next
+    commit pass unseen."""
+    _loud(engine, "same")
+    signal = _signal(engine)
+    if before == "a write rolled back":
+        with engine.connect() as conn:
+            conn.execute(MARKS.insert().values(mark="undone"))
+            conn.rollback()
+        with engine.begin() as conn:
+            conn.execute(sa.select(MARKS.c.mark)).all()
+    else:
+        with engine.begin() as conn:
+            conn.execute(MARKS.update().where(MARKS.c.mark == "same").values(mark="same"))
+    signal.wait(signal.generation, 0.1)
+    took = _woken_within(signal, signal.generation, threading.Thread(target=_foreign, args=(engine, "other")), LONG)
+    assert took < 1.0, took
+
+
+def test_a_first_commit_racing_the_first_wait_does_not_deadlock(sqlite_url: str) -> None:
+    """The first header read of a commit (under SQLite's write lock) and the first waiter starting the watcher
+    took two locks in opposite orders: a commit could hang holding the database's write lock."""
+    for attempt in range(20):
+        engine = create_engine(sqlite_url)
+        signal = changes_of(engine, "data")
+        assert signal is not None
+        fresh = signal.signal
+        fresh._shm = None  # as a new process sees it: no descriptor yet
+        start = threading.Barrier(2)
+
+        def commit(start: threading.Barrier = start, fresh: ChangeSignal = fresh) -> None:
+            start.wait()
+            fresh.change_counter()
+
+        def wait(start: threading.Barrier = start, fresh: ChangeSignal = fresh) -> None:
+            start.wait()
+            fresh._watcher = None
+            fresh.wait("data", fresh.generation("data"), 0.01)
+
+        threads = [threading.Thread(target=commit, daemon=True), threading.Thread(target=wait, daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(5)
+        assert not any(t.is_alive() for t in threads), f"deadlocked on attempt {attempt}"
+        engine.dispose()
