@@ -244,7 +244,8 @@ def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
     # Settled: it purged once before publishing (nothing had expired), published, and (PostgreSQL) armed
     # its wake-up, the last statement before idling.
     if env.kind.startswith("postgresql"):
-        wait_for(lambda: _armed(env), 10, what="the relay to arm its wake-up")
+        # Armed, and past its arming horizon (on a busy server, other sessions' snapshots hold it a while).
+        _settled(env, relay)
     statements: list[str] = []
 
     def seen(conn: object, cursor: object, statement: str, *rest: object) -> None:
@@ -271,12 +272,11 @@ def test_an_idle_relay_asks_the_database_nothing_but_its_probe(
         renewals = [s for s in statements if s.lstrip().upper().startswith("UPDATE POLLBRIDGE_RELAY_STATE")]
         assert 1 <= len(writes) == len(renewals), [s.split()[0:3] for s in statements if s not in looks]
     else:
-        # Armed, it probes every fallback_interval only until every transaction that could have read the flag
-        # down has ended (one look at the horizon, here the first), then every idle_probe_interval.
+        # Past its arming horizon, it probes every idle_probe_interval, making sure its flag is still up.
         horizon = [s for s in statements if "pg_snapshot_xmin" in s or "SET armed = true" in s]
         assert probes, "the fallback probe did not run"
         assert len(probes) <= 1.5 / 0.5 + 2, len(probes)  # one an idle_probe_interval
-        assert len([s for s in horizon if "pg_snapshot_xmin" in s]) <= 1, horizon
+        assert not [s for s in horizon if "pg_snapshot_xmin" in s], horizon
         assert statements == [s for s in statements if s in probes or s in horizon], \
             [s.split()[0:3] for s in statements if s not in probes]
         assert _lock_backend_state(env) == lock_backend  # the lock's connection was sent nothing
@@ -546,7 +546,7 @@ def _claims(seen: list[tuple[str, object]]) -> int:
 
 def _settled(env: Env, relay: Relay) -> None:
     """Armed, and every transaction that could have missed the flag has ended: the relay sleeps on LISTEN."""
-    wait_for(lambda: _armed(env) and relay._horizon is None, 10, what="the relay to arm and pass its horizon")
+    wait_for(lambda: _armed(env) and relay._horizon is None, 30, what="the relay to arm and pass its horizon")
 
 
 def test_at_a_trickle_each_change_costs_the_relay_one_claim(
@@ -589,10 +589,10 @@ def test_a_writer_that_read_the_flag_down_is_published_without_waiting_for_the_f
         assert relay._horizon is not None  # the writer is older than the arming: not safe yet
         tx.commit()
         committed = time.monotonic()
-        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 2.5,
-                 what="the late writer's change published before the 5 s fallback")
-        assert time.monotonic() - committed < 2.5
-        wait_for(lambda: relay._horizon is None, 5, what="the relay to see the writer ended and stop looking")
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 4.5,
+                 what="the late writer's change published before the idle probe (30 s)")
+        assert time.monotonic() - committed < 4.5
+        wait_for(lambda: relay._horizon is None, 30, what="the relay to see the writer ended and stop looking")
     finally:
         writer.close()
 
@@ -621,7 +621,7 @@ def test_a_repeatable_read_writer_whose_snapshot_predates_the_arming_is_not_left
         wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 5,
                  what="the repeatable-read writer's change published")
         assert time.monotonic() - committed < 5
-        wait_for(lambda: relay._horizon is None, 10, what="the relay to stop looking once the snapshot is gone")
+        wait_for(lambda: relay._horizon is None, 30, what="the relay to stop looking once the snapshot is gone")
     finally:
         writer.close()
 
