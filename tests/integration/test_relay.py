@@ -572,8 +572,8 @@ def test_a_writer_that_read_the_flag_down_is_published_without_waiting_for_the_f
         env: Env, running: Callable[[Relay], threading.Event]) -> None:
     """The race that arming opens: a writer's trigger reads the flag before the relay raises it (so its commit
     will not notify), the relay arms and re-probes, then the writer commits. The relay keeps looking, briefly,
-    until every transaction older than its arming has ended, so the change is out long before the fallback
-    timer (5 s here), and then it stops looking."""
+    until every transaction older than its arming has ended, so the change is out long before the idle probe
+    (30 s here), and then it stops looking."""
     _postgres_only(env)
     with env.engine.begin() as conn:
         conn.execute(env.tables.instances.insert().values(id="race", workflow_type="orders"))  # type: ignore[union-attr]
