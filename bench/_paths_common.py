@@ -39,7 +39,7 @@ from typing import Any
 
 import psycopg
 
-from bench.common import PG_ADMIN_URL, machine
+from bench.common import PG_ADMIN_URL, command, machine
 
 PR_SET_PDEATHSIG = 1
 STMT_ENV = "POLLBRIDGE_BENCH_STMT_FILE"
@@ -500,12 +500,8 @@ def plot(png: str | None, title: str, xlabel: str, ylabel: str,
     when nothing was drawn (matplotlib missing, or no file asked for)."""
     if not png:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return f"matplotlib is not installed (pip install 'pollbridge[bench]'): {png} not drawn"
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     for label, points in series.items():
@@ -517,6 +513,26 @@ def plot(png: str | None, title: str, xlabel: str, ylabel: str,
             ax.step(xs, ys, where="post", label=label)
         else:
             ax.plot(xs, ys, marker="o", label=label)
+    style(ax, title, xlabel, ylabel, logx=logx, logy=logy)
+    save(plt, fig, png)
+    return None
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def style(ax: Any, title: str, xlabel: str, ylabel: str, *, logx: bool = False, logy: bool = False,
+          legend_size: int = 8) -> None:
+    """The benches' look of one panel: scales, labels, a grid and the legend."""
     if logx:
         ax.set_xscale("log")
     if logy:
@@ -525,24 +541,19 @@ def plot(png: str | None, title: str, xlabel: str, ylabel: str,
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_size)
+
+
+def save(plt: Any, fig: Any, png: str) -> None:
     fig.tight_layout()
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
     plt.close(fig)
-    return None
 
 
 def machine_info() -> dict[str, Any]:
     info = machine()
-
-    def cmd(*args: str) -> str:
-        try:
-            return subprocess.run(args, capture_output=True, text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return "?"
-
-    info["nproc"] = cmd("nproc")
+    info["nproc"] = command("nproc").strip()
     info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     with contextlib.suppress(Exception), psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         row = conn.execute("SHOW server_version").fetchone()

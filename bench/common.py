@@ -61,18 +61,20 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def machine() -> dict[str, Any]:
-    def cmd(*args: str) -> str:
-        try:
-            return subprocess.run(args, capture_output=True, text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return "?"
+def command(*args: str, timeout: float = 5.0) -> str:
+    """What a command prints (trailing white space removed), or ``?`` when it cannot be run."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout).stdout.rstrip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
+
+def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "postgresql": cmd("psql", "--version"),
-        "redis": cmd("redis-server", "--version").split(" sha=")[0],
+        "postgresql": command("psql", "--version").strip(),
+        "redis": command("redis-server", "--version").strip().split(" sha=")[0],
         "kernel": platform.release(),
     }
 

@@ -225,8 +225,9 @@ def db_clock(engine: sa.Engine) -> datetime:
 
 
 def complete(engine: sa.Engine, prefix: str, rate: float | None, seconds: float,
-             each_second: Any = None) -> int:
-    """Complete dispatched tasks, paced at ``rate`` per second (None: as fast as possible)."""
+             each_second: Any = None, statement: str = COMPLETE_BATCH) -> int:
+    """Complete dispatched tasks, paced at ``rate`` per second (None: as fast as possible), each batch one
+    transaction of ``statement`` (bind parameters ``:n``, the batch size, and ``:p``, the prefix)."""
     done = 0
     started = time.perf_counter()
     tick = 0
@@ -244,7 +245,7 @@ def complete(engine: sa.Engine, prefix: str, rate: float | None, seconds: float,
             else:
                 n = 500
             with conn.begin():
-                done += conn.execute(sa.text(COMPLETE_BATCH), {"n": n, "p": prefix}).rowcount
+                done += conn.execute(sa.text(statement), {"n": n, "p": prefix}).rowcount
     return done
 
 
