@@ -152,6 +152,23 @@ REASSERT_ARMED_SQL = ("UPDATE pollbridge_relay_state SET armed = true WHERE rela
                       "AND NOT armed RETURNING 1")
 
 
+def widened_xid_sql(xmax: str, xid: str) -> str:
+    """SQL for the 64-bit id of the 32-bit transaction id ``xid`` (as the write-ahead log names one): the id
+    nearest ``xmax`` (a 64-bit id as bigint, a snapshot's xmax) with that low half, i.e. ``xmax`` plus the
+    signed 32-bit distance from xmax's low half to ``xid``. Both arguments are SQL expressions (bigint)."""
+    return f"({xmax} + (({xid} - ({xmax} & 4294967295) + 6442450944) % 4294967296) - 2147483648)"
+
+
+#: PostgreSQL: how many of the transactions ``:xids`` (32-bit ids) this statement's snapshot does not see yet.
+#: A commit reaches the log (and a logical walsender) before its session leaves the process array, so a
+#: decoded commit can be invisible for a moment.
+INVISIBLE_XIDS_SQL = (
+    "WITH s AS (SELECT pg_current_snapshot() AS snap, "
+    "CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS xmax) "
+    "SELECT count(*) FROM s, unnest(CAST(:xids AS bigint[])) AS x(xid) WHERE NOT pg_visible_in_snapshot("
+    f"CAST(CAST({widened_xid_sql('s.xmax', 'x.xid')} AS text) AS xid8), s.snap)")
+
+
 @dataclass(frozen=True)
 class RelayQueries:
     """The statements of one relay (one partition), the per-cycle ones built once."""
