@@ -21,6 +21,7 @@ from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db import migrate
+from bridge.db.changes import remove_journal
 from bridge.db.engine import check_connection, read_only
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable import usersql
@@ -153,6 +154,7 @@ def uninstall(engine: Engine, mapping: TaskTableMapping | None = None) -> list[s
             usersql.uninstall(conn, mapping)
     if migrate.current_revision(engine) is not None:
         migrate.downgrade_all(engine)
+    remove_journal(engine)  # SQLite: the commit-topic journal beside the database file (bridge.db.changes)
     after = set(migrate.owned_tables(engine))
     return [t for t in before if t not in after]
 

@@ -489,7 +489,10 @@ class Relay:
                     # makes it look at the outbox (_look).
                     until = min(next_heartbeat, next_epoch, next_purge)
                     if not listen:
-                        if not handled:
+                        # SQLite: a claim that took less than a batch held the write lock, so it took all there
+                        # was; the next look waits for a commit (an empty look after every claim was half the
+                        # relay's statements at a trickle).
+                        if not handled or (self._changes is not None and handled < self.settings.batch_size):
                             self._idle(waiter, last_rows, until)
                         continue
                     if handled >= self.settings.batch_size:  # more is waiting

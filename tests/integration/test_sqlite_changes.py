@@ -8,6 +8,7 @@ see its commits) and, for the bus, by a real subprocess.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -242,4 +243,72 @@ def test_a_first_commit_racing_the_first_wait_does_not_deadlock(sqlite_url: str)
         for t in threads:
             t.join(5)
         assert not any(t.is_alive() for t in threads), f"deadlocked on attempt {attempt}"
+        engine.dispose()
+
+
+_COMMITTER = (
+    "import sys\n"
+    "import sqlalchemy as sa\n"
+    "from bridge.db.engine import about, create_engine, quiet\n"
+    "engine = create_engine(sys.argv[1])\n"
+    "marks = sa.table('marks', sa.column('mark', sa.String))\n"
+    "for n, line in enumerate(sys.stdin):\n"
+    "    kind = line.strip()\n"
+    "    chosen = {'quiet': quiet(engine), 'bus': about(engine, 'bus'), 'data': engine}[kind]\n"
+    "    with chosen.begin() as conn:\n"
+    "        conn.execute(marks.insert().values(mark=f'{kind}{n}'))\n"
+    "    print('ok', flush=True)\n"
+)
+
+
+def test_another_pollbridge_process_wakes_only_the_topics_of_its_commits(engine: Engine) -> None:
+    """Another pollbridge process's commits carry their topics through the journal beside the database: its
+    quiet commits (lease renewals, a bus reader's bookkeeping) wake no one here, its bus publishes wake the bus's
+    readers and not the relay, its data commits wake the relay. Before the journal, each woke every waiter.
+    (A few wake-ups too many are allowed: a commit whose process is descheduled before it writes its slot is
+    taken for a stranger's, on purpose.)"""
+    _loud(engine, "setup")
+    data, bus = _signal(engine, "data"), _signal(engine, "bus")
+    other = subprocess.Popen([sys.executable, "-c", _COMMITTER, str(engine.url)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert other.stdin is not None and other.stdout is not None
+
+    def commit(kind: str) -> tuple[bool, bool]:
+        """One commit of ``kind`` in the other process; whether the data and the bus waiters were woken."""
+        seen_data, seen_bus = data.generation, bus.generation
+        other.stdin.write(f"{kind}\n")  # type: ignore[union-attr]
+        other.stdin.flush()  # type: ignore[union-attr]
+        assert other.stdout.readline().strip() == "ok"  # type: ignore[union-attr]
+        woke_bus = bus.wait(seen_bus, 0.3) != seen_bus
+        return data.wait(seen_data, 0.05 if woke_bus else 0.3) != seen_data, woke_bus
+
+    try:
+        commit("quiet")  # the other process's start-up commits (its first journal write) are behind us
+        quiet_wakes = [commit("quiet") for _ in range(10)]
+        bus_wakes = [commit("bus") for _ in range(10)]
+        data_wakes = [commit("data") for _ in range(5)]
+    finally:
+        other.stdin.close()
+        other.wait(30)
+    assert sum(d or b for d, b in quiet_wakes) <= 3, quiet_wakes
+    assert all(b for _, b in bus_wakes) and sum(d for d, _ in bus_wakes) <= 3, bus_wakes
+    assert all(d for d, _ in data_wakes), data_wakes
+
+
+def test_uninstall_removes_the_topic_journal(sqlite_url: str) -> None:
+    from bridge.app import install
+    from bridge.core.mapping import TaskTableMapping
+    from bridge.db.changes import JOURNAL_SUFFIX
+
+    engine = create_engine(sqlite_url)
+    try:
+        install.init(engine, demo_schema=True, mapping=TaskTableMapping())
+        with engine.begin() as conn:  # a commit of pollbridge's writes the journal
+            conn.exec_driver_sql("CREATE TABLE marks (mark TEXT)")
+            conn.exec_driver_sql("INSERT INTO marks VALUES ('x')")
+        journal = f"{engine.url.database}{JOURNAL_SUFFIX}"
+        assert os.path.exists(journal)
+        install.uninstall(engine, TaskTableMapping())
+        assert not os.path.exists(journal)
+    finally:
         engine.dispose()
