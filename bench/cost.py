@@ -95,6 +95,7 @@ from bridge.capture.triggers import remove_capture
 from bridge.core.errors import MappingMismatch
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import BusSettings, CaptureSettings, SchedulerSettings
+from bridge.db.changes import JOURNAL_SUFFIX
 from bridge.db.engine import create_engine
 from bridge.reference.oracle import verify
 from bridge.reference.workload import TaskSpec, WorkflowSpec
@@ -204,7 +205,7 @@ def _drop_slot(url: str) -> None:
 
 
 def _remove_sqlite(path: Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
+    for suffix in ("", "-wal", "-shm", JOURNAL_SUFFIX):
         with contextlib.suppress(OSError):
             Path(f"{path}{suffix}").unlink()
 
