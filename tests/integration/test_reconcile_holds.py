@@ -13,6 +13,7 @@ fallback took after its hold went stale stays a miss; the text, JSON and HTML re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -49,8 +50,13 @@ def _hold(conn: sa.Connection, task_id: Any, *, held_at: datetime, until: dateti
                                        until=until, holder="sched-1", released_at=released_at))
 
 
+#: The dispatches these tests judge are made 30 s late on purpose; the 5 s objective keeps the walk's own latency
+#: (over a second per round in CI beside a CPU hog) out of the counts.
+HOLD_GATES = dataclasses.replace(GATES, objective=5.0)
+
+
 def _report(d: Drive, start: Any, **kwargs: Any) -> Report:
-    return build_report(d.engine, d.tables, start, db_clock(d.engine) + timedelta(seconds=1), settings=GATES,
+    return build_report(d.engine, d.tables, start, db_clock(d.engine) + timedelta(seconds=1), settings=HOLD_GATES,
                         **kwargs)
 
 
