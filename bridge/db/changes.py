@@ -78,6 +78,10 @@ _WRITTEN = 1 << 31
 JOURNAL_SUFFIX = "-pollbridge_topics"
 #: How long the watcher gives a commit's process to write its journal slot before waking every topic.
 JOURNAL_GRACE = 0.0005
+#: Longest wait for this process's write lock before a write transaction goes to SQLite's own busy handler
+#: (which then waits as before): a thread that opens a second write transaction under its first fails as it
+#: did, after this wait, instead of hanging.
+WRITE_LOCK_WAIT = 30.0
 
 
 class ChangeSignal:
@@ -96,6 +100,10 @@ class ChangeSignal:
         self._own: collections.deque[int] = collections.deque(maxlen=OWN_REMEMBERED)
         self._journal: int | None = None  # descriptor of the topic journal (-1: it cannot be opened here)
         self._journal_lock = threading.Lock()
+        #: Held by this process's write transaction on the file, from BEGIN IMMEDIATE to its end: threads queue
+        #: here and wake the moment it is released, instead of in SQLite's busy handler, which sleeps 1, 2, 5,
+        #: 10, 15, 20, 25 … ms between tries whatever the lock does (see :class:`NotifyingConnection`).
+        self.write_lock = threading.Lock()
 
     def notify(self, topics: Iterable[str] = TOPICS) -> None:
         topics = tuple(topics)
@@ -329,6 +337,21 @@ class NotifyingConnection(sqlite3.Connection):
     pb_signal: ChangeSignal | None = None
     pb_topics: frozenset[str] | None = None
     _pb_changes = 0
+    _pb_holds_lock = False
+
+    def pb_begin_write(self) -> None:
+        """Before ``BEGIN IMMEDIATE``: take this process's write lock of the file (:attr:`ChangeSignal.write_lock`;
+        released when the transaction ends). Measured in ``pollbridge demo`` (relay, scheduler, poller, router and
+        workers as threads of one process): the busy handler's sleeps were most of the event path's tail."""
+        signal = self.pb_signal
+        if signal is not None and not self._pb_holds_lock and signal.write_lock.acquire(timeout=WRITE_LOCK_WAIT):
+            self._pb_holds_lock = True
+
+    def pb_end_write(self) -> None:
+        """Release the write lock :meth:`pb_begin_write` took, if this connection holds it (any thread may)."""
+        if self._pb_holds_lock and self.pb_signal is not None:
+            self._pb_holds_lock = False
+            self.pb_signal.write_lock.release()
 
     def commit(self) -> None:
         wrote = self.total_changes != self._pb_changes
@@ -339,6 +362,7 @@ class NotifyingConnection(sqlite3.Connection):
         super().commit()
         self._pb_changes = self.total_changes
         if not wrote or signal is None:
+            self.pb_end_write()
             return
         if before is not None:
             # Ours only if the counter moved by exactly one: a commit that wrote nothing SQLite had to keep (an
@@ -348,11 +372,21 @@ class NotifyingConnection(sqlite3.Connection):
             after = signal.change_counter()
             if after == (before + 1) % 2**32:
                 signal.expect_own(after, ("data",) if topics is None else topics)
+        self.pb_end_write()
         signal.notify(("data",) if topics is None else topics)
 
     def rollback(self) -> None:
-        super().rollback()
-        self._pb_changes = self.total_changes  # a rolled-back write is not the next commit's
+        try:
+            super().rollback()
+            self._pb_changes = self.total_changes  # a rolled-back write is not the next commit's
+        finally:
+            self.pb_end_write()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.pb_end_write()  # closed with its transaction open (an invalidated connection): SQLite undid it
 
 
 def mark_about(conn: Any, *topics: str) -> None:

@@ -226,7 +226,18 @@ def _configure_sqlite(engine: Engine) -> None:
         if isinstance(dbapi_conn, NotifyingConnection):  # what its commit is about (bridge.db.changes)
             dbapi_conn.pb_topics = options.get(TOPICS)
         # Read-only work (see read_only()) takes no write lock: in WAL mode it never blocks writers.
-        conn.exec_driver_sql("BEGIN" if options.get(READ_ONLY) else "BEGIN IMMEDIATE")
+        if options.get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+            return
+        writer = dbapi_conn if isinstance(dbapi_conn, NotifyingConnection) else None
+        if writer is not None:  # this process's writers queue on a lock of their own (bridge.db.changes)
+            writer.pb_begin_write()
+        try:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            if writer is not None:
+                writer.pb_end_write()
+            raise
 
 
 def _sqlite_bucket(workflow_type: str | None, instance_id: Any) -> int:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -312,3 +313,59 @@ def test_uninstall_removes_the_topic_journal(sqlite_url: str) -> None:
         assert not os.path.exists(journal)
     finally:
         engine.dispose()
+
+
+def test_a_second_writer_of_this_process_waits_on_the_process_lock_not_in_sqlite(engine: Engine) -> None:
+    """Two threads of one process writing: the second issues its BEGIN IMMEDIATE only once the first committed
+    (it waited on the process's write lock, woken at the release), never into SQLite's busy handler, which
+    sleeps 1, 2, 5, 10 … ms between tries whatever the lock does."""
+    signal = changes_of(engine, "data")
+    assert signal is not None
+    order: list[str] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def _seen(conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
+        if statement == "BEGIN IMMEDIATE":
+            order.append(f"begin {threading.current_thread().name}")
+
+    first_open = threading.Event()
+    second_started = threading.Event()
+
+    def first() -> None:
+        with engine.begin() as conn:
+            conn.execute(MARKS.insert().values(mark="first"))
+            first_open.set()
+            assert second_started.wait(5)
+            wait_for(lambda: signal.signal.write_lock.locked(), 5, what="the lock held")
+            threading.Event().wait(0.2)  # the second thread is waiting by now
+            order.append("first commits")
+        order.append("first committed")
+
+    def second() -> None:
+        assert first_open.wait(5)
+        second_started.set()
+        _loud(engine, "second")
+
+    threads = [threading.Thread(target=first, name="a"), threading.Thread(target=second, name="b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    sa.event.remove(engine, "before_cursor_execute", _seen)
+    assert order == ["begin a", "first commits", "first committed", "begin b"], order
+    assert not signal.signal.write_lock.locked()
+
+
+def test_a_connection_closed_inside_its_write_transaction_lets_the_lock_go(engine: Engine) -> None:
+    signal = changes_of(engine, "data")
+    assert signal is not None
+    conn = engine.connect()
+    conn.begin()
+    conn.execute(MARKS.insert().values(mark="dropped"))
+    assert signal.signal.write_lock.locked()
+    conn.invalidate()  # the DBAPI connection is closed, its transaction undone by SQLite
+    conn.close()
+    assert not signal.signal.write_lock.locked()
+    _loud(engine, "after")  # a new writer is not kept waiting
+    with engine.connect() as check:
+        assert set(check.execute(sa.select(MARKS.c.mark)).scalars()) == {"after"}
