@@ -451,8 +451,12 @@ class EmbeddedBus(EventBus):
         with self._reader.connect() as conn:
             n, any_entry = conn.execute(sa.select(known, found)).one()
             conn.rollback()
-        # A group never ensured has no row: a take registers it (trim then respects it).
-        return int(n) < len(parts) or bool(any_entry)
+        if int(n) < len(parts):
+            # A group never ensured, or whose rows went (another bus emptied the bus: purge_all): a take registers
+            # it again (and trim then respects it), by the statement that checks its rows.
+            self._groups_present.discard((group, tuple(parts)))
+            return True
+        return bool(any_entry)
 
     # ------------------------------------------------------------------ tailing (read-only, no group)
 

@@ -95,8 +95,9 @@ BATCH_ROWS = 5_000
 #: Seconds between standby status updates while the stream is idle (the server's wal_sender_timeout is 60 s).
 FEEDBACK_INTERVAL = 10.0
 #: Longest wait for a decoded commit to become visible before the batch is streamed again (see
-#: :meth:`WalCapture._await_visible`).
-VISIBLE_WAIT = 60.0
+#: :meth:`WalCapture._await_visible`): below the server's wal_sender_timeout (60 s by default), since the
+#: stream sends no feedback meanwhile.
+VISIBLE_WAIT = 20.0
 #: pgoutput's options: protocol 1, the publication, and logical decoding messages (a switch's marker).
 STREAM_OPTIONS = {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"}
 _EVENT_NAMESPACE = uuid.UUID("6f1c2a8e-3b51-4d0e-9a57-1f2b9c7d4e10")
@@ -523,7 +524,9 @@ class WalCapture:
             # A kept connection: a pool checkout per batch would add the pool's pre-ping, a transaction of its own
             # (measured: 1.7 database transactions per change at 200 changes/s with it).
             if self._conn is None:
-                self._conn = self.engine.connect()
+                # READ COMMITTED whatever the server's default: the visibility check needs a new snapshot per
+                # statement (under REPEATABLE READ it would look at the first one until its deadline).
+                self._conn = self.engine.connect().execution_options(isolation_level="READ COMMITTED")
             conn = self._conn
             try:
                 with conn.begin():

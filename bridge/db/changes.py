@@ -28,14 +28,18 @@ that finds nothing).
 
 **Other processes' topics.** pollbridge's processes tell each other what their commits were about through a
 small journal beside the database, ``<database>-pollbridge_topics``: after a commit that moved the counter by
-exactly one (so it is surely this commit's value), the committing process writes the value, the commit's
-topics, the WAL salt and the ``-shm`` file's inode into the value's slot (:data:`JOURNAL_SLOTS` slots of 16
-bytes, one ``pwrite``). A watcher that sees the counter move wakes only the topics of the values it finds
-there (none for a quiet commit); a value without its slot (another program's commit, a slot overwritten,
-torn, from another salt or another ``-shm`` file, or not yet written: it is looked up once more half a
-millisecond later) wakes every topic. So a commit is never taken for another's: the worst case is still a
-spurious wake-up. Measured before this (``bench.cost``, embedded, 2 completions/s): the relay looked at the
-outbox 7 times and the scheduler read the bus 8.8 times per completion, woken by each other's bookkeeping.
+exactly one while no other connection committed (``PRAGMA data_version``; so it is surely this commit's
+value), the committing process writes the value, the commit's topics, the WAL salt, the WAL's frame count
+after it and the ``-shm`` file's inode, with a check word, into the value's slot (:data:`JOURNAL_SLOTS` slots
+of 24 bytes, one ``pwrite``). A watcher that sees the counter move wakes only the topics of the values it
+finds there (none for a quiet commit), and only from slots whose salt is the WAL's now and whose frame
+count lies between its two looks: the counter restarts from 0 when SQLite recovers a WAL after a crash, but
+within one salt the frame count only grows, so a slot of an earlier run never matches. A value without its
+slot (another program's commit; a slot overwritten, torn, stale, or not yet written: it is looked up once
+more half a millisecond later) wakes every topic, and so does a WAL that started over between two looks.
+So a commit is never taken for another's: the worst case is still a spurious wake-up. Measured before this
+(``bench.cost``, embedded, 2 completions/s): the relay looked at the outbox 7 times and the scheduler read the
+bus 8.8 times per completion, woken by each other's bookkeeping.
 """
 
 from __future__ import annotations
@@ -69,11 +73,15 @@ OWN_REMEMBERED = 1000
 
 #: What a commit can be about; a waiter waits for one of them.
 TOPICS = ("data", "bus")
-#: Slots of the topic journal (a value's slot is the value modulo this), each ``=IIII``: counter value, topics
-#: (bit i: ``TOPICS[i]``; bit 31: a slot written), the WAL salt and the ``-shm`` inode's low 32 bits.
+#: A look at the files: ("counter", -shm inode, iChange, WAL salt, WAL frames) or ("files", None, sizes, 0, 0).
+_Signature = tuple[str, Any, Any, int, int]
+#: Slots of the topic journal (a value's slot is the value modulo this), each ``=IIIIII``: counter value, topics
+#: (bit i: ``TOPICS[i]``; bit 31: a slot written), the WAL salt, the WAL's frame count after the commit, the
+#: ``-shm`` inode's low 32 bits and a check word (a torn read does not match).
 JOURNAL_SLOTS = 256
-_SLOT = struct.Struct("=IIII")
+_SLOT = struct.Struct("=IIIIII")  # counter, topics, salt, frames, inode, check word
 _WRITTEN = 1 << 31
+_CHECK = 0x9E3779B9
 #: Suffix of the topic journal's file name, beside the database file.
 JOURNAL_SUFFIX = "-pollbridge_topics"
 #: How long the watcher gives a commit's process to write its journal slot before waking every topic.
@@ -96,8 +104,8 @@ class ChangeSignal:
         self._shm: tuple[int, int] | None = None  # (descriptor, inode) of the -shm file, never closed (_header)
         self._retired: list[int] = []  # descriptors that turned out to name a replaced file (kept open too)
         self._shm_lock = threading.Lock()
-        #: Counter values of this process's commits the watcher has not met yet (bounded).
-        self._own: collections.deque[int] = collections.deque(maxlen=OWN_REMEMBERED)
+        #: This process's commits the watcher has not met yet, as (counter, salt, frames) (bounded).
+        self._own: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=OWN_REMEMBERED)
         self._journal: int | None = None  # descriptor of the topic journal (-1: it cannot be opened here)
         self._journal_lock = threading.Lock()
         #: Held by this process's write transaction on the file, from BEGIN IMMEDIATE to its end: threads queue
@@ -128,53 +136,64 @@ class ChangeSignal:
         header = self._header()
         return None if header is None or len(header) < 12 else _counter(header)
 
-    def expect_own(self, counter: int, topics: Iterable[str] = TOPICS) -> None:
-        """The counter value a commit of this process made (it signalled its topics itself): the watcher lets it
-        pass, and the other processes' watchers read its ``topics`` from the journal."""
-        with self._cond:
-            self._own.append(counter)
+    def header_now(self) -> bytes | None:
+        """The WAL-index header now, whole (None: none to read)."""
         header = self._header()
+        return header if header is not None and len(header) >= _HEADER_BYTES else None
+
+    def expect_own(self, header: bytes, topics: Iterable[str] = TOPICS) -> None:
+        """A commit of this process made the state ``header`` (read right after it; it signalled its topics
+        itself): the watcher lets it pass, and the other processes' watchers read its ``topics`` from the
+        journal."""
+        counter, salt, frames = _counter(header), _salt(header), _frames(header)
+        with self._cond:
+            self._own.append((counter, salt, frames))
         shm = self._shm
-        if header is None or len(header) < _HEADER_BYTES or shm is None or _counter(header) != counter:
-            return  # moved on already (or no header): the others wake every topic for it, as for a stranger
+        if shm is None:
+            return
         mask = _WRITTEN
         for topic in topics:
             mask |= 1 << TOPICS.index(topic)
-        fd = self._journal_fd()
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.pwrite(fd, _SLOT.pack(counter, mask, _salt(header), shm[1] & 0xFFFFFFFF),
-                          (counter % JOURNAL_SLOTS) * _SLOT.size)
+        inode = shm[1] & 0xFFFFFFFF
+        slot = _SLOT.pack(counter, mask, salt, frames, inode, counter ^ mask ^ salt ^ frames ^ inode ^ _CHECK)
+        with self._journal_lock:  # the descriptor is closed only under this lock (remove_journal)
+            fd = self._journal_fd()
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.pwrite(fd, slot, (counter % JOURNAL_SLOTS) * _SLOT.size)
 
     def _journal_fd(self) -> int:
         """The topic journal's descriptor, opened (created) once; -1 where it cannot be (a read-only directory:
-        the others then wake every topic for this process's commits)."""
-        with self._journal_lock:
-            if self._journal is None:
-                try:
-                    self._journal = os.open(f"{self.path}{JOURNAL_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o644)
-                except OSError as exc:
-                    log.debug("topic journal not available (%s): other processes wake every topic", exc)
-                    self._journal = -1
-            return self._journal
-
-    def _journal_topics(self, values: Iterable[int], header_salt: int, inode: int) -> set[str] | None:
-        """The union of the journal's topics for ``values``; None when one of them has no slot of its own."""
-        fd = self._journal_fd()
-        if fd < 0:
-            return None
-        topics: set[str] = set()
-        for value in values:
+        the others then wake every topic for this process's commits). Called holding ``_journal_lock``."""
+        if self._journal is None:
             try:
-                raw = os.pread(fd, _SLOT.size, (value % JOURNAL_SLOTS) * _SLOT.size)
-            except OSError:
+                self._journal = os.open(f"{self.path}{JOURNAL_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                log.debug("topic journal not available (%s): other processes wake every topic", exc)
+                self._journal = -1
+        return self._journal
+
+    def _journal_topics(self, values: Iterable[int], last: _Signature, now: _Signature) -> set[str] | None:
+        """The union of the journal's topics for ``values`` (counter values between the looks ``last`` and
+        ``now``, one WAL salt); None when one of them has no valid slot of its own."""
+        topics: set[str] = set()
+        with self._journal_lock:
+            fd = self._journal_fd()
+            if fd < 0:
                 return None
-            if len(raw) < _SLOT.size:
-                return None
-            counter, mask, salt, ino = _SLOT.unpack(raw)
-            if counter != value or not mask & _WRITTEN or salt != header_salt or ino != inode & 0xFFFFFFFF:
-                return None
-            topics.update(t for i, t in enumerate(TOPICS) if mask & (1 << i))
+            for value in values:
+                try:
+                    raw = os.pread(fd, _SLOT.size, (value % JOURNAL_SLOTS) * _SLOT.size)
+                except OSError:
+                    return None
+                if len(raw) < _SLOT.size:
+                    return None
+                counter, mask, salt, frames, inode, check = _SLOT.unpack(raw)
+                if (counter != value or not mask & _WRITTEN or salt != now[3] or inode != now[1] & 0xFFFFFFFF
+                        or check != counter ^ mask ^ salt ^ frames ^ inode ^ _CHECK
+                        or not last[4] < frames <= now[4]):
+                    return None
+                topics.update(t for i, t in enumerate(TOPICS) if mask & (1 << i))
         return topics
 
     def wait(self, topic: str, seen: int, timeout: float) -> int:
@@ -252,41 +271,43 @@ class ChangeSignal:
                 parts.append(None)
         return tuple(parts)
 
-    def _signature(self) -> tuple[str, Any, Any, int]:
-        """("counter", -shm inode, iChange, WAL salt), or ("files", …) without a WAL-index header."""
+    def _signature(self) -> _Signature:
+        """("counter", -shm inode, iChange, WAL salt, WAL frames), or ("files", …) without a WAL-index header."""
         header = self._header()
         if header is not None and len(header) >= _HEADER_BYTES and self._shm is not None:
-            return ("counter", self._shm[1], _counter(header), _salt(header))  # a new -shm file restarts the count
-        return ("files", None, self._files(), 0)
+            # A new -shm file restarts the count; a new salt, the WAL (and its frame count).
+            return ("counter", self._shm[1], _counter(header), _salt(header), _frames(header))
+        return ("files", None, self._files(), 0, 0)
 
-    def _changed(self, last: tuple[str, Any, Any, int], now: tuple[str, Any, Any, int]) -> frozenset[str]:
+    def _changed(self, last: _Signature, now: _Signature) -> frozenset[str]:
         """The topics other processes' commits between two signatures were about (empty: none, or only this
         process's own commits); every topic when one of them cannot be told (see the module docstring)."""
         if now[:3] == last[:3]:
             return frozenset()
-        if last[0] != "counter" or now[0] != "counter" or last[1] != now[1]:
+        if last[0] != "counter" or now[0] != "counter" or last[1] != now[1] or last[3] != now[3]:
             return frozenset(TOPICS)
         gap = (now[2] - last[2]) % 2**32
         if gap > JOURNAL_SLOTS:
             return frozenset(TOPICS)
         values = {(last[2] + i) % 2**32 for i in range(1, gap + 1)}
         with self._cond:
-            # Values the count has passed (commits made while no watcher ran) would only match a later wrap.
-            for value in [v for v in self._own if not 0 < (v - last[2]) % 2**32 <= 2**31]:
-                self._own.remove(value)
-            mine = values & set(self._own)
-            for value in mine:
-                self._own.remove(value)
-        others = values - mine
+            # Ours: made between the two looks (the WAL's frames), whatever the counter did before (it restarts
+            # when a WAL is recovered). Entries the looks have passed, or of another salt, go.
+            mine = {e for e in self._own if e[1] == now[3] and last[4] < e[2] <= now[4] and e[0] in values}
+            stale = [e for e in self._own if e[1] != now[3] or e[2] <= last[4]]
+            for entry in (*mine, *stale):
+                with contextlib.suppress(ValueError):
+                    self._own.remove(entry)
+        others = values - {e[0] for e in mine}
         if not others:
             return frozenset()
-        topics = self._journal_topics(others, now[3], now[1])
+        topics = self._journal_topics(others, last, now)
         if topics is None:  # not written yet, maybe: its process writes it right after its commit
             time.sleep(JOURNAL_GRACE)
-            topics = self._journal_topics(others, now[3], now[1])
+            topics = self._journal_topics(others, last, now)
         return frozenset(TOPICS) if topics is None else frozenset(topics)
 
-    def _run(self, last: tuple[str, Any, Any, int]) -> None:
+    def _run(self, last: _Signature) -> None:
         while True:
             time.sleep(WATCH_INTERVAL)
             now = self._signature()
@@ -302,6 +323,12 @@ class ChangeSignal:
 
 def _counter(header: bytes) -> int:
     return int(struct.unpack_from("=I", header, 8)[0])
+
+
+def _frames(header: bytes) -> int:
+    """The WAL-index header's ``mxFrame`` (offset 16): valid frames in the WAL, growing with every commit until
+    the WAL starts over (with a new salt)."""
+    return int(struct.unpack_from("=I", header, 16)[0])
 
 
 def _salt(header: bytes) -> int:
@@ -357,23 +384,38 @@ class NotifyingConnection(sqlite3.Connection):
         wrote = self.total_changes != self._pb_changes
         signal, topics = self.pb_signal, self.pb_topics
         self.pb_topics = None
-        # Inside the transaction, holding the write lock: no other commit can move the counter before ours.
-        before = signal.change_counter() if signal is not None and wrote else None
-        super().commit()
-        self._pb_changes = self.total_changes
-        if not wrote or signal is None:
+        try:
+            # Inside the transaction, holding the write lock: no other commit can move the counter before ours.
+            before = signal.change_counter() if signal is not None and wrote else None
+            version = self._pb_data_version() if before is not None else None
+            super().commit()
+        except BaseException:
+            if not self.in_transaction:  # ended all the same: the next writer must not wait for us
+                self.pb_end_write()
+            raise
+        try:
+            self._pb_changes = self.total_changes
+            if signal is not None and before is not None:
+                # Ours only if the counter moved by exactly one and no other connection committed meanwhile: a
+                # commit that wrote nothing SQLite had to keep (an UPDATE to the same bytes) does not move it,
+                # and registering the value would let another process's commit, the one that moved it, pass
+                # unseen (and, through the journal, unseen by every process).
+                header = signal.header_now()
+                if header is not None and _counter(header) == (before + 1) % 2**32 \
+                        and self._pb_data_version() == version:
+                    signal.expect_own(header, ("data",) if topics is None else topics)
+        finally:
             self.pb_end_write()
-            return
-        if before is not None:
-            # Ours only if the counter moved by exactly one: a commit that wrote nothing SQLite had to keep (an
-            # UPDATE to the same bytes) does not move it, and registering it would let the next commit, maybe
-            # another process's, pass unseen. (Left: another process committing in the microseconds between
-            # our commit and this read, after a commit of ours that did not move it.)
-            after = signal.change_counter()
-            if after == (before + 1) % 2**32:
-                signal.expect_own(after, ("data",) if topics is None else topics)
-        self.pb_end_write()
-        signal.notify(("data",) if topics is None else topics)
+        if wrote and signal is not None:
+            signal.notify(("data",) if topics is None else topics)
+
+    def _pb_data_version(self) -> int | None:
+        """``PRAGMA data_version``: changes when another connection commits to the file."""
+        try:
+            row = self.execute("PRAGMA data_version").fetchone()
+        except sqlite3.Error:
+            return None
+        return None if row is None else int(row[0])
 
     def rollback(self) -> None:
         try:
@@ -389,12 +431,22 @@ class NotifyingConnection(sqlite3.Connection):
             self.pb_end_write()  # closed with its transaction open (an invalidated connection): SQLite undid it
 
 
+def check_topics(topics: Iterable[str]) -> frozenset[str]:
+    """``topics`` as a set, each one of :data:`TOPICS` (ValueError otherwise)."""
+    chosen = frozenset(topics)
+    unknown = sorted(chosen - set(TOPICS))
+    if unknown:
+        raise ValueError(f"unknown topic(s) {', '.join(map(repr, unknown))}; known: {', '.join(TOPICS)}")
+    return chosen
+
+
 def mark_about(conn: Any, *topics: str) -> None:
     """Mark the open transaction of ``conn`` (a SQLAlchemy connection) as about ``topics`` (SQLite; else
     nothing): its commit wakes only the waiters for those."""
+    check_topics(topics)
     dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
     if isinstance(dbapi_conn, NotifyingConnection):
-        dbapi_conn.pb_topics = frozenset(topics)
+        dbapi_conn.pb_topics = check_topics(topics)
 
 
 _signals: dict[Path, ChangeSignal] = {}

@@ -23,7 +23,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from bridge.core.errors import ConfigError, DatabaseUnavailable, first_line
 from bridge.core.urls import mask_url
-from bridge.db.changes import NotifyingConnection, change_signal
+from bridge.db.changes import NotifyingConnection, change_signal, check_topics
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -154,7 +154,7 @@ def quiet(engine: Engine) -> Engine:
 def about(engine: Engine, *topics: str) -> Engine:
     """The same engine for writes about ``topics`` (``bus``: an embedded-bus publish): on SQLite their commits
     wake only the waiters for those (:mod:`bridge.db.changes`)."""
-    return engine.execution_options(**{TOPICS: frozenset(topics)})
+    return engine.execution_options(**{TOPICS: check_topics(topics)})
 
 
 def finds_a_row(reader: Engine, statement: sa.Select[Any]) -> bool:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -369,3 +370,93 @@ def test_a_connection_closed_inside_its_write_transaction_lets_the_lock_go(engin
     _loud(engine, "after")  # a new writer is not kept waiting
     with engine.connect() as check:
         assert set(check.execute(sa.select(MARKS.c.mark)).scalars()) == {"after"}
+
+
+_CRASHING_WRITER = (
+    "import os, sys\n"
+    "import sqlalchemy as sa\n"
+    "from bridge.db.engine import create_engine, quiet\n"
+    "engine = create_engine(sys.argv[1])\n"
+    "with engine.begin() as conn:\n"
+    "    conn.exec_driver_sql('CREATE TABLE marks (mark TEXT)')\n"
+    "for n in range(12):\n"
+    "    with quiet(engine).begin() as conn:\n"
+    "        conn.exec_driver_sql('INSERT INTO marks VALUES (?)', (f'lease{n}',))\n"
+    "os._exit(0)  # killed: no checkpoint, the -wal and -shm files stay\n"
+)
+
+
+def test_a_recovered_wal_does_not_match_the_journal_of_the_run_before_the_crash(sqlite_url: str) -> None:
+    """SQLite recovering a WAL after a crash restarts the change counter from 0 in the same -shm file, with
+    the same salt: the crashed run's journal slots (quiet lease renewals) named the new counter values, and
+    another program's commits after the restart woke no one (found in review, reproduced). The slots carry the
+    WAL's frame count, which only grows within a salt, and no longer match."""
+    done = subprocess.run([sys.executable, "-c", _CRASHING_WRITER, sqlite_url], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    engine = create_engine(sqlite_url)
+    held = engine.connect()  # the first connection recovers the WAL; held, the WAL is not checkpointed away
+    try:
+        held.exec_driver_sql("SELECT count(*) FROM marks").scalar_one()
+        held.rollback()
+        signal = _signal(engine, "data")
+        for i in range(3):
+            took = _woken_within(signal, signal.generation,
+                                 threading.Thread(target=_foreign, args=(engine, f"task{i}")), LONG)
+            assert took < 1.0, took
+    finally:
+        held.close()
+        engine.dispose()
+
+
+def test_a_reader_keeps_reading_after_another_bus_emptied_the_bus(sqlite_url: str) -> None:
+    """A reader that has taken entries remembers its group's rows exist (its takes then join them); after
+    another bus instance emptied the bus (``uninstall`` does) and entries were published again, its next look
+    finds the rows gone and its take makes them again (found in review: it read nothing until restarted)."""
+    from bridge.app import install
+    from bridge.core.events import CloudEvent, new_event_id, new_trace_id
+    from bridge.core.mapping import TaskTableMapping
+
+    engine = create_engine(sqlite_url)
+    try:
+        install.init(engine, demo_schema=True, mapping=TaskTableMapping())
+        running, other = EmbeddedBus(engine, partitions=1), EmbeddedBus(engine, partitions=1)
+
+        def publish() -> None:
+            other.publish([CloudEvent(id=new_event_id(), type="task.status.changed", subject="i", partitionkey="i",
+                                      time=datetime.now(UTC), traceid=new_trace_id(), data={"instance_id": "i"})])
+
+        publish()
+        assert len(running.read("g", "c", [0], 10, 1.0)) == 1
+        publish()
+        assert len(running.read("g", "c", [0], 10, 1.0)) == 1
+        other.purge_all()
+        publish()
+        assert len(running.read("g", "c", [0], 10, LONG)) == 1
+        running.close()
+        other.close()
+    finally:
+        engine.dispose()
+
+
+def test_a_failed_commit_lets_the_process_write_lock_go(engine: Engine) -> None:
+    """A COMMIT that fails (a deferred foreign key) ends in a rollback: the next writer of the process does not
+    wait for the lock."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+        conn.exec_driver_sql("CREATE TABLE child (id INTEGER PRIMARY KEY, parent INTEGER REFERENCES parent(id) "
+                             "DEFERRABLE INITIALLY DEFERRED)")
+    signal = changes_of(engine, "data")
+    assert signal is not None
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO child VALUES (1, 99)")
+    assert not signal.signal.write_lock.locked()
+    _loud(engine, "after")
+
+
+def test_an_unknown_topic_is_refused() -> None:
+    from bridge.db.changes import check_topics
+
+    assert check_topics(["bus"]) == frozenset({"bus"})
+    with pytest.raises(ValueError, match="unknown topic"):
+        check_topics(["bsu"])
