@@ -440,16 +440,8 @@ class EmbeddedBus(EventBus):
 
     def _has_undelivered(self, group: str, parts: list[int]) -> bool:
         """Lock-free peek: is there any entry after the group's offsets (0 where it has none)?"""
-        # One statement: how many of the partitions have a group row, and whether any has an entry after it.
-        g = bus_groups.alias("g")
-        known = (sa.select(sa.func.count()).select_from(g)
-                 .where(g.c.group_name == group, g.c.partition.in_(parts)).scalar_subquery())
-        found = sa.exists(sa.select(bus_log.c.id).select_from(bus_log.join(
-            bus_groups, sa.and_(bus_groups.c.partition == bus_log.c.partition, bus_groups.c.group_name == group,
-                                bus_log.c.id > bus_groups.c.last_delivered_id)))
-            .where(bus_groups.c.partition.in_(parts)))
         with self._reader.connect() as conn:
-            n, any_entry = conn.execute(sa.select(known, found)).one()
+            n, any_entry = conn.execute(_UNDELIVERED, {"b_group": group, "b_parts": parts}).one()
             conn.rollback()
         if int(n) < len(parts):
             # A group never ensured, or whose rows went (another bus emptied the bus: purge_all): a take registers
@@ -738,6 +730,14 @@ _TAKE_AFTER_OFFSETS = (
     .where(bus_groups.c.partition.in_(sa.bindparam("b_parts", expanding=True)))
     .order_by(bus_log.c.id)
     .limit(sa.bindparam("b_count"))
+)
+#: How many of partitions ``b_parts`` have a row of group ``b_group``, and whether any has an entry after its offset
+#: (the lock-free look, one statement).
+_UNDELIVERED = sa.select(
+    sa.select(sa.func.count()).select_from(bus_groups)
+    .where(bus_groups.c.group_name == sa.bindparam("b_group"),
+           bus_groups.c.partition.in_(sa.bindparam("b_parts", expanding=True))).scalar_subquery(),
+    sa.exists(_TAKE_AFTER_OFFSETS.with_only_columns(bus_log.c.id).order_by(None).limit(None)),
 )
 #: A group's offset in one partition moved to the last entry delivered.
 _ADVANCE_OFFSET = (

@@ -396,6 +396,7 @@ class WalCapture:
         cols = tables.mapping.columns
         self._watched = [(kind, column) for kind, logical in WATCHED if (column := getattr(cols, logical))]
         self._insert = self._insert_statement()
+        self._facts_statement = self._build_facts_statement()
 
     # --- decoding --------------------------------------------------------------------------------------
     def handle(self, payload: bytes) -> None:
@@ -576,20 +577,26 @@ class WalCapture:
         if waited:
             self.invisible_waits += 1
 
+    def _build_facts_statement(self) -> sa.Select[Any] | None:
+        """:meth:`_facts`'s statement where the mapping takes the workflow type from the instances table: the
+        invisible count beside the batch's instances (``:pb_ids``), at least one row. None otherwise."""
+        m = self.tables.mapping
+        inst = self.tables.instances
+        if m.columns.workflow_type or m.instances is None or inst is None:
+            return None
+        invisible = sa.text(INVISIBLE_XIDS_SQL).columns(sa.column("count", sa.Integer)).subquery("pb_invisible")
+        inst_id = sa.cast(inst.c[m.instances.id], sa.Text)
+        return (sa.select(invisible.c.count, inst_id, sa.cast(inst.c[m.instances.workflow_type], sa.Text))
+                .select_from(invisible.outerjoin(inst, inst_id.in_(sa.bindparam("pb_ids", expanding=True)))))
+
     def _facts(self, conn: Connection, rows: Sequence[dict[str, Any]], xids: list[int]) -> int:
         """One statement: how many of ``xids`` this snapshot does not see yet and, where the mapping takes the
         workflow type from the instances table, the rows' types (set only when every transaction is visible:
         an instance inserted with its tasks is found then). Returns the invisible count."""
-        m = self.tables.mapping
-        inst = self.tables.instances
-        if m.columns.workflow_type or m.instances is None or inst is None:
+        if self._facts_statement is None:
             return int(conn.execute(sa.text(INVISIBLE_XIDS_SQL), {"xids": xids}).scalar_one()) if xids else 0
-        invisible = sa.text(INVISIBLE_XIDS_SQL).columns(sa.column("count", sa.Integer)).subquery("pb_invisible")
-        inst_id = sa.cast(inst.c[m.instances.id], sa.Text)
         ids = sorted({r["instance_id"] for r in rows})
-        found = conn.execute(
-            sa.select(invisible.c.count, inst_id, sa.cast(inst.c[m.instances.workflow_type], sa.Text))
-            .select_from(invisible.outerjoin(inst, inst_id.in_(ids))), {"xids": xids}).all()
+        found = conn.execute(self._facts_statement, {"xids": xids, "pb_ids": ids}).all()
         if found and found[0][0]:
             return int(found[0][0])
         types = {str(r[1]): r[2] for r in found if r[1] is not None}

@@ -22,8 +22,8 @@ renewal, a bus reader's offsets and acknowledgements, which no one waits for). A
 ``bus``. Idle, lease renewals were the only commits, and each woke every waiter into a look; busy, every
 dispatch's half-dozen commits woke the bus's readers. Every commit of this process also tells the watcher
 its counter value (read inside the transaction, while it holds the database's one write lock, so no other
-commit can come between; plus one), so the watcher signals only other processes' commits, on every topic: a
-commit it was not told about is never taken for one of ours (the worst case is a spurious wake-up, a look
+commit can come between; plus one), so the watcher signals only other processes' commits (on their topics,
+below): a commit it was not told about is never taken for one of ours (the worst case is a spurious wake-up, a look
 that finds nothing).
 
 **Other processes' topics.** pollbridge's processes tell each other what their commits were about through a
@@ -141,7 +141,7 @@ class ChangeSignal:
         header = self._header()
         return header if header is not None and len(header) >= _HEADER_BYTES else None
 
-    def expect_own(self, header: bytes, topics: Iterable[str] = TOPICS) -> None:
+    def expect_own(self, header: bytes, topics: Iterable[str]) -> None:
         """A commit of this process made the state ``header`` (read right after it; it signalled its topics
         itself): the watcher lets it pass, and the other processes' watchers read its ``topics`` from the
         journal."""
@@ -443,10 +443,10 @@ def check_topics(topics: Iterable[str]) -> frozenset[str]:
 def mark_about(conn: Any, *topics: str) -> None:
     """Mark the open transaction of ``conn`` (a SQLAlchemy connection) as about ``topics`` (SQLite; else
     nothing): its commit wakes only the waiters for those."""
-    check_topics(topics)
+    chosen = check_topics(topics)
     dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
     if isinstance(dbapi_conn, NotifyingConnection):
-        dbapi_conn.pb_topics = check_topics(topics)
+        dbapi_conn.pb_topics = chosen
 
 
 _signals: dict[Path, ChangeSignal] = {}

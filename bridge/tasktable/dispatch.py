@@ -11,10 +11,10 @@ the same transaction, so the log and the task table never disagree. A task parke
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
@@ -135,8 +135,22 @@ def dispatch_many(conn: Connection, tt: TaskTable, tasks: Sequence[ReadyTask], p
     return won
 
 
-_PG_STATEMENTS: dict[tuple[int, str], tuple[TaskTable, DriverStatement]] = {}
-_STATEMENTS: dict[int, tuple[TaskTable, sa.Update]] = {}
+_T = TypeVar("_T")
+_PG_STATEMENTS: dict[Any, tuple[TaskTable, DriverStatement]] = {}
+_STATEMENTS: dict[Any, tuple[TaskTable, sa.Update]] = {}
+
+
+def _cached(cache: dict[Any, tuple[TaskTable, _T]], key: Any, tt: TaskTable, build: Callable[[], _T]) -> _T:
+    """``build()`` once per task table (and ``key``): the entry of a table that is gone is rebuilt, never reused
+    (``id`` values are recycled), and the cache stays small when tables are reflected again and again (tests)."""
+    hit = cache.get(key)
+    if hit is not None and hit[0] is tt:
+        return hit[1]
+    value = build()
+    if len(cache) >= 64:
+        cache.clear()
+    cache[key] = (tt, value)
+    return value
 
 
 def _dispatch_statement(tt: TaskTable) -> sa.Update:
@@ -144,29 +158,27 @@ def _dispatch_statement(tt: TaskTable) -> sa.Update:
     once per task table: building it per batch (the readiness predicate, its cache key) took longer than
     running it (measured on SQLite: milliseconds between the write transaction's BEGIN and the UPDATE, with the
     database's one write lock held)."""
-    cached = _STATEMENTS.get(id(tt))
-    if cached is not None and cached[0] is tt:
-        return cached[1]
-    t = tt.tasks
-    stmt = (
-        t.update()
-        .where(tt.col("id").in_(sa.bindparam("pb_ids", expanding=True)), ready_predicate(tt, t),
-               sa.not_(parked(tt.col("id"))))
-        .values(dispatch_values(tt, db_now(tt.dialect_name)))
-        .returning(tt.col("id"))
-    )
-    if len(_STATEMENTS) >= 64:  # task tables reflected again and again (tests): keep the cache small
-        _STATEMENTS.clear()
-    _STATEMENTS[id(tt)] = (tt, stmt)
-    return stmt
+
+    def build() -> sa.Update:
+        t = tt.tasks
+        return (
+            t.update()
+            .where(tt.col("id").in_(sa.bindparam("pb_ids", expanding=True)), ready_predicate(tt, t),
+                   sa.not_(parked(tt.col("id"))))
+            .values(dispatch_values(tt, db_now(tt.dialect_name)))
+            .returning(tt.col("id"))
+        )
+
+    return _cached(_STATEMENTS, id(tt), tt, build)
 
 
 def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> DriverStatement:
     """The PostgreSQL batch dispatch for ``tt`` and ``path``, built once: the compare-and-set UPDATE over
     ``id = ANY(:pb_ids)`` and the dispatch-log INSERT of its winners, the batch's facts unnested from arrays."""
-    cached = _PG_STATEMENTS.get((id(tt), path))
-    if cached is not None and cached[0] is tt:
-        return cached[1]
+    return _cached(_PG_STATEMENTS, (id(tt), path), tt, lambda: _build_pg_dispatch(tt, path, dialect))
+
+
+def _build_pg_dispatch(tt: TaskTable, path: Path, dialect: Dialect) -> DriverStatement:
     t = tt.tasks
     now = db_now(tt.dialect_name)
     values = dispatch_values(tt, now)
@@ -203,12 +215,8 @@ def _pg_dispatch_statement(tt: TaskTable, path: Path, dialect: Dialect) -> Drive
                       "dispatched_at", "trace_id"], select_won)
         .returning(dispatch_log.c.task_id)
     )
-    if len(_PG_STATEMENTS) >= 64:  # task tables reflected again and again (tests): keep the cache small
-        _PG_STATEMENTS.clear()
     # Run for every batch either path dispatches: straight through the driver (see bridge.db.driver).
-    run = DriverStatement(stmt, dialect)
-    _PG_STATEMENTS[(id(tt), path)] = (tt, run)
-    return run
+    return DriverStatement(stmt, dialect)
 
 
 def skip_many(conn: Connection, tt: TaskTable, task_ids: Sequence[Any]) -> list[Any]:

@@ -634,27 +634,25 @@ def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walc
     assert streamer.invisible_waits >= 1
 
 
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
+    """One engine for every example of a property test (the fixture is made once per test function)."""
+    engine = create_engine(pg_url)
+    yield engine
+    engine.dispose()
+
+
 @pytest.mark.postgres
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(xmax=st.integers(min_value=2**32, max_value=2**62),
        distance=st.integers(min_value=-(2**31), max_value=2**31 - 1))
-def test_a_logged_transaction_id_widens_to_the_64_bit_id_it_came_from(pg_url: str, xmax: int, distance: int) -> None:
+def test_a_logged_transaction_id_widens_to_the_64_bit_id_it_came_from(pg_engine: sa.Engine, xmax: int,
+                                                                        distance: int) -> None:
     """The log names a transaction by its low 32 bits; the visibility check widens it to the 64-bit id within
     2^31 of the snapshot's xmax, across an epoch boundary too (a 64-bit id cannot wrap)."""
     true_id = xmax + distance
-    engine = _engine_for(pg_url)
-    with engine.connect() as conn:
+    with pg_engine.connect() as conn:
         widened = conn.execute(sa.text(f"SELECT {widened_xid_sql('CAST(:xmax AS bigint)', 'CAST(:xid AS bigint)')}"),
                                {"xmax": xmax, "xid": true_id & 0xFFFFFFFF}).scalar_one()
     assert widened == true_id
 
-
-_ENGINES: dict[str, Any] = {}
-
-
-def _engine_for(url: str) -> Any:
-    """One engine per database for the property test's examples (a new engine per example costs a connection)."""
-    if url not in _ENGINES:
-        _ENGINES.clear()
-        _ENGINES[url] = create_engine(url)
-    return _ENGINES[url]
