@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -179,3 +180,29 @@ def redis_namespace(redis_server: str) -> Iterator[str]:
     namespace = f"pbtest-{uuid.uuid4().hex[:10]}"
     yield namespace
     clear_redis_namespace(redis_server, namespace)
+
+
+REDIS_CLUSTER_HINT = (
+    "a local Redis Cluster could not be started ({error}); install the redis-server and redis-cli binaries "
+    "(Debian: `apt-get install redis-server`)"
+)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_nodes() -> Iterator[Any]:
+    """A 3-primary, 3-replica Redis Cluster of this test process (tests/support/redis_cluster.py)."""
+    from tests.support.redis_cluster import start_cluster
+
+    try:
+        cluster = start_cluster()
+    except FileNotFoundError as exc:  # no binaries: a missing service; anything else is a failure
+        service_unavailable(REDIS_CLUSTER_HINT.format(error=exc))
+        raise AssertionError("unreachable") from exc
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_nodes: Any) -> str:
+    """The URL of one node of the session's Redis Cluster (any node: the client finds the others)."""
+    return str(redis_cluster_nodes.url)

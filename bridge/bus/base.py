@@ -28,8 +28,11 @@ The contract, for every implementation:
   reason and acknowledges it; ``dead_letters()`` lists them; ``remove_dead_letters(ids)`` deletes.
 * **Trimming.** ``trim(retention)`` removes entries older than ``retention`` seconds that every
   group has acknowledged; it never removes a pending or undelivered entry.
-* **Loss detection.** ``epoch()`` returns a token that changes when the bus lost its data (Redis
-  flushed or restarted without persistence); the relay compares it to the one it stored.
+* **Loss detection.** ``epochs()`` returns, per partition, a token that changes when the bus lost
+  that partition's data (Redis flushed or restarted without persistence, one shard of a cluster lost,
+  or a failover that dropped acknowledged writes); the relay compares each with the one it stored and
+  republishes the retained outbox rows of the partitions whose token changed, and only those.
+  ``epoch()`` is one token over all of them.
 * **memory_pressure()** is the fraction of its memory limit the bus uses (Redis: ``used_memory /
   maxmemory``), or ``None`` without a limit; the relay pauses publishing above a threshold.
 * **close()** closes only what the bus opened (a client passed in stays open).
@@ -251,6 +254,12 @@ class EventBus(ABC):
 
     @abstractmethod
     def epoch(self) -> str: ...
+
+    def epochs(self) -> dict[int, str]:
+        """Per partition, its epoch token (see the contract). By default one token for all: a bus that loses
+        its data loses it whole."""
+        token = self.epoch()
+        return {p: token for p in range(self.partitions)}
 
     @abstractmethod
     def close(self) -> None: ...

@@ -9,9 +9,17 @@ Layout, for namespace ``ns`` (default ``pollbridge``) and ``P`` partitions::
     ns:events:{ns:p0} … ns:events:{ns:p<P-1>}   stream   one per partition; entries {id, payload}
     ns:dead                                      stream   dead letters {group, entry_id, partition,
                                                           payload, reason}
-    ns:epoch                                     string   the bus epoch token (SET NX); it vanishing
-                                                          is how data loss (FLUSHALL, a restart
-                                                          without persistence) is detected
+    ns:epoch:{ns:p0} … ns:epoch:{ns:p<P-1>}     string   one epoch token per partition (SET NX), in
+                                                          its stream's slot: it vanishing (FLUSHALL, a
+                                                          restart without persistence, a shard's
+                                                          failover to an empty replica) is how that
+                                                          partition's data loss is detected; a relay
+                                                          that finds its own acknowledged entry gone
+                                                          (a failover lost the newest writes) replaces it
+    ns:wake:{ns:wake}                            stream   Redis Cluster only: the doorbell. A publish
+                                                          rings it with the partitions it wrote {p};
+                                                          waiting readers block on it (a blocking read
+                                                          cannot span several slots), capped ~1000
     ns:sched:{ns:sched}:members                  zset     event-scheduler processes, scored by their
                                                           last heartbeat (ms, Redis clock)
     ns:sched:{ns:sched}:leases                   hash     partition -> "expires_ms holder": which
@@ -23,7 +31,9 @@ Layout, for namespace ``ns`` (default ``pollbridge``) and ``P`` partitions::
   partition stream has its own tag ``{ns:pN}``, so partitions spread over the cluster's slots
   (one partition's stream lives on exactly one node) while a partition's stream always stays in
   one slot. The tag includes the namespace so two namespaces' partition 3 do not pile onto the
-  same slot. ``ns:dead`` and ``ns:epoch`` carry no tag: they are touched rarely and alone. The
+  same slot. A partition's epoch shares its stream's tag, so it lives and dies with the stream on
+  the same shard: one shard's loss changes only its partitions' epochs, and only their retained
+  outbox rows are republished. ``ns:dead`` carries no tag: it is touched rarely and alone. The
   scheduler's members and leases share the tag ``{ns:sched}``: one script updates both.
 * **Consumer groups** live inside each partition stream and use the caller's group name as is
   (a group is named once per stream, so it needs no namespace); :meth:`BusKeys.group` only
@@ -72,10 +82,17 @@ class BusKeys:
         """The dead-letter stream (all groups, all partitions)."""
         return f"{self.namespace}:dead"
 
+    def epoch(self, partition: int) -> str:
+        """The string holding ``partition``'s epoch token, in its stream's slot; its disappearance means the
+        partition lost its data."""
+        if partition < 0:
+            raise ValueError(f"partition must be >= 0, got {partition}")
+        return f"{self.namespace}:epoch:{{{self.namespace}:p{partition}}}"
+
     @property
-    def epoch(self) -> str:
-        """The string holding the epoch token; its disappearance means the bus lost its data."""
-        return f"{self.namespace}:epoch"
+    def wake(self) -> str:
+        """The doorbell stream of a Redis Cluster bus: publishes ring it, blocked readers wait on it."""
+        return f"{self.namespace}:wake:{{{self.namespace}:wake}}"
 
     @property
     def pattern(self) -> str:

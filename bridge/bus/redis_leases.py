@@ -18,8 +18,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-import redis
-
 from bridge.bus.base import BusLeases, LeaseSnapshot
 from bridge.bus.keys import BusKeys
 
@@ -82,10 +80,19 @@ return 0
 """
 
 
+#: What status and preflight read. KEYS: members, leases. Returns the server's TIME (seconds, microseconds),
+#: the members with their scores and the leases hash, all flat.
+SNAPSHOT_LUA = """
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[2])}
+"""
+
+
 class RedisLeases(BusLeases):
     """:class:`bridge.bus.base.BusLeases` on Redis: one script per round or release."""
 
-    def __init__(self, client: redis.Redis[Any], keys: BusKeys, partitions: int) -> None:
+    def __init__(self, client: Any, keys: BusKeys, partitions: int) -> None:
+        """``client`` is a server's or a cluster's (every key here shares one hash tag: one node runs each script)."""
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         self.client = client
@@ -93,6 +100,7 @@ class RedisLeases(BusLeases):
         self.partitions = partitions
         self._round = client.register_script(ROUND_LUA)
         self._release = client.register_script(RELEASE_LUA)
+        self._snapshot = client.register_script(SNAPSHOT_LUA)
 
     def __repr__(self) -> str:
         return f"RedisLeases(namespace={self.keys.namespace!r}, partitions={self.partitions})"
@@ -108,17 +116,17 @@ class RedisLeases(BusLeases):
         self._release(keys=self._keys(), args=[holder, self.partitions])
 
     def snapshot(self) -> LeaseSnapshot:
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.time()
-            pipe.zrange(self.keys.scheduler_members, 0, -1, withscores=True)
-            pipe.hgetall(self.keys.scheduler_leases)
-            (secs, micros), members, leases = pipe.execute()
+        # A script, not a MULTI with TIME: one atomic read on the node holding the keys, by its clock, which a
+        # cluster client allows (it refuses TIME in a pipeline: TIME names no key, so no node).
+        secs, micros, members, leases = self._snapshot(keys=self._keys())
         leased: dict[int, tuple[str | None, datetime | None]] = {}
-        for field, value in leases.items():
+        for field, value in zip(leases[::2], leases[1::2], strict=True):
             expires, holder = _text(value).split(" ", 1)
-            leased[int(field)] = (holder, _at(float(expires)))
+            leased[int(_text(field))] = (holder, _at(float(expires)))
         return LeaseSnapshot(now=_at(int(secs) * 1000 + int(micros) / 1000),
-                             members={_text(m): _at(score) for m, score in members}, leases=leased)
+                             members={_text(m): _at(float(_text(score)))
+                                      for m, score in zip(members[::2], members[1::2], strict=True)},
+                             leases=leased)
 
 
 def _at(ms: float) -> datetime:

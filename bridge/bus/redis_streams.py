@@ -41,15 +41,18 @@ contract in :mod:`bridge.bus.base` maps onto Redis, and why:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from bridge.bus.base import (
@@ -89,18 +92,24 @@ LOOKUP_DEAD_SCAN = 200
 #: Appends a batch to one partition stream in one call: one round trip per partition instead of one
 #: pipelined command per event (redis-py's per-command packing and reply parsing, not Redis, was the
 #: relay's bottleneck). KEYS[1]: the stream. ARGV: id field, payload field, maxlen ('' for none), then
-#: (event id, payload) pairs. Returns the number of entries added.
+#: (event id, payload) pairs. Returns the id of the last entry added (what the loss check looks for).
 _XADD_BATCH = """
 local id_field, payload_field, maxlen = ARGV[1], ARGV[2], ARGV[3]
+local last = ''
 for i = 4, #ARGV, 2 do
   if maxlen == '' then
-    redis.call('XADD', KEYS[1], '*', id_field, ARGV[i], payload_field, ARGV[i + 1])
+    last = redis.call('XADD', KEYS[1], '*', id_field, ARGV[i], payload_field, ARGV[i + 1])
   else
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', id_field, ARGV[i], payload_field, ARGV[i + 1])
+    last = redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', id_field, ARGV[i], payload_field, ARGV[i + 1])
   end
 end
-return (#ARGV - 3) / 2
+return last
 """
+
+_XADD_SHA = hashlib.sha1(_XADD_BATCH.encode()).hexdigest()
+
+#: The doorbell of a cluster bus keeps about this many rings (a waiting reader only needs the newest).
+WAKE_MAXLEN = 1000
 
 
 class RedisStreamsBus(EventBus):
@@ -124,45 +133,63 @@ class RedisStreamsBus(EventBus):
             raise ValueError(f"maxlen_approx must be >= 1 or None, got {maxlen_approx}")
         self.partitions = partitions
         self.keys = BusKeys(namespace)
-        self._xadd_batch: Any = None
+        self._stream_partition = {self.keys.stream(p): p for p in range(partitions)}
         self._maxlen = maxlen_approx
         self._rotation = 0
+        # Per partition, the newest entry this bus object added (publish's script answers it): the loss
+        # check looks for it after a failover (see :meth:`epochs`).
+        self._added: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._url: str | None = None
+        self._client_obj: Any = None
+        self._cluster = False
         client_timeout: float | None
         if isinstance(url_or_client, str):
             if socket_timeout <= 0:
                 raise ValueError(f"socket_timeout must be > 0, got {socket_timeout}")
             self._display = _masked(url_or_client)
-            # decode_responses=False: payloads are decoded here, so a non-UTF-8 entry becomes a
-            # malformed delivery instead of an exception on every read of its stream.
-            self._client: redis.Redis[Any] = redis.Redis.from_url(
-                url_or_client,
-                decode_responses=False,
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=min(socket_timeout, 10.0),
-                health_check_interval=30,
-            )
+            self._url = url_or_client
+            self._socket_timeout = socket_timeout
             self._owned = True
             client_timeout = socket_timeout
         else:
-            self._client = url_or_client
+            self._client_obj = url_or_client
+            self._cluster = isinstance(url_or_client, RedisCluster)
             self._owned = False
-            kwargs = url_or_client.connection_pool.connection_kwargs
-            self._display = f"redis client {kwargs.get('host', kwargs.get('path', '?'))}"
-            raw_timeout = kwargs.get("socket_timeout")
+            self._display = f"redis client {_client_host(url_or_client)}"
+            raw_timeout = _client_kwargs(url_or_client).get("socket_timeout")
             client_timeout = float(raw_timeout) if raw_timeout else None
-        # EVALSHA, falling back to EVAL (and reloading) when the script cache was flushed.
-        self._xadd_batch = self._client.register_script(_XADD_BATCH)
         # The longest single blocking call: safely below the socket timeout (None: no timeout).
         self._max_wait = (
             None if client_timeout is None else max(client_timeout - 1.0, client_timeout / 2)
         )
 
+    @property
+    def _client(self) -> Any:
+        """The redis-py client, made on first use (a bus object connects lazily): a ``redis.Redis`` for one
+        server, a ``RedisCluster`` when the URL's node says it is part of a cluster."""
+        client = self._client_obj
+        if client is None:
+            with self._lock:
+                if self._client_obj is None:
+                    assert self._url is not None
+                    self._client_obj, self._cluster = connect(self._url, socket_timeout=self._socket_timeout)
+                client = self._client_obj
+        return client
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the bus runs on a Redis Cluster (known once it connected)."""
+        _ = self._client
+        return self._cluster
+
     def __repr__(self) -> str:
         return f"RedisStreamsBus({self._display}, namespace={self.keys.namespace!r}, partitions={self.partitions})"
 
     @property
-    def client(self) -> redis.Redis[Any]:
-        """The redis-py client (for tools and tests that need to look at the raw streams)."""
+    def client(self) -> Any:
+        """The redis-py client, ``redis.Redis`` or ``RedisCluster`` (for tools and tests that look at the raw
+        streams)."""
         return self._client
 
     # ------------------------------------------------------------------ publishing
@@ -182,30 +209,49 @@ class RedisStreamsBus(EventBus):
         # load the script and run those batches again.
         failed = self._evalsha_batches(batches)
         if failed:
-            cast(Any, self._client).script_load(_XADD_BATCH)  # redis-py leaves it untyped
+            cast(Any, self._client).script_load(_XADD_BATCH)  # every primary of a cluster; untyped in redis-py
             failed = self._evalsha_batches(failed)
             if failed:
                 raise NoScriptError(f"bus {self._display}: the batch script vanished again right after loading")
+        if self._cluster:
+            # Only once every entry is stored: a reader woken by the ring must find them (a reader that reads
+            # before the ring finds them anyway, see _wait_for_rings).
+            self._client.xadd(self.keys.wake, {b"p": ",".join(map(str, sorted(by_partition))).encode()},
+                              maxlen=WAKE_MAXLEN, approximate=True)
 
     def _evalsha_batches(self, batches: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
         """Run the batch script on each (stream, args) in one pipeline; return those that found no script."""
         pipe = self._client.pipeline(transaction=False)
         for stream, args in batches:
-            pipe.evalsha(self._xadd_batch.sha, 1, stream, *args)
+            pipe.evalsha(_XADD_SHA, 1, stream, *args)
         failed = []
         for batch, result in zip(batches, pipe.execute(raise_on_error=False), strict=True):
             if isinstance(result, NoScriptError):
                 failed.append(batch)
             elif isinstance(result, Exception):
                 raise result
+            elif result:
+                self._remember_added(batch[0], _text(result))
         return failed
 
+    def _remember_added(self, stream: str, entry_id: str) -> None:
+        partition = self._stream_partition[stream]
+        with self._lock:
+            known = self._added.get(partition)
+            if known is None or _parse_id(entry_id) > _parse_id(known):
+                self._added[partition] = entry_id
+
     def memory_pressure(self) -> float | None:
-        info = self._client.info("memory")
-        limit = int(info.get("maxmemory", 0) or 0)
-        if limit <= 0:
-            return None
-        return float(int(info.get("used_memory", 0)) / limit)
+        """On a cluster, the fullest primary's (publishing stops when any shard is near its limit)."""
+        if self._cluster:
+            per_node = self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            infos = list(per_node.values()) if per_node and isinstance(next(iter(per_node.values())), dict) \
+                else [per_node]
+        else:
+            infos = [self._client.info("memory")]
+        pressures = [int(i.get("used_memory", 0)) / int(i.get("maxmemory", 0))
+                     for i in infos if int(i.get("maxmemory", 0) or 0) > 0]
+        return float(max(pressures)) if pressures else None
 
     # ------------------------------------------------------------------ groups
 
@@ -238,6 +284,7 @@ class RedisStreamsBus(EventBus):
             self.ack(group, acks)
             return []
         deadline = time.monotonic() + max(block, 0.0)
+        rings: str | None = None  # a cluster's doorbell position to wait from
         while True:
             got = self._read_available(name, consumer, parts, count, acks)
             acks = ()
@@ -247,6 +294,11 @@ class RedisStreamsBus(EventBus):
             if remaining <= 0:
                 return []
             wait = remaining if self._max_wait is None else min(remaining, self._max_wait)
+            if self._cluster:
+                # A blocking read cannot span several slots: wait on the doorbell instead. Its position is
+                # taken before the next read, so a publish after that read rings after the position.
+                rings = self._ring_position() if rings is None else self._wait_for_rings(rings, parts, wait)
+                continue
             if count >= len(parts):
                 got = self._read_blocking(name, consumer, parts, count, wait)
                 if got:
@@ -337,6 +389,29 @@ class RedisStreamsBus(EventBus):
             positions[self.keys.stream(p)] = "0-0" if info is None else _text(info.get("last-delivered-id", "0-0"))
         return positions
 
+    def _ring_position(self) -> str:
+        """The newest ring of a cluster's doorbell (``"0-0"`` when it has none)."""
+        newest = self._client.xrevrange(self.keys.wake, max="+", min="-", count=1)
+        return _text(newest[0][0]) if newest else "0-0"
+
+    def _wait_for_rings(self, position: str, parts: Sequence[int], wait: float) -> str:
+        """Block on the doorbell after ``position`` until a ring names one of ``parts`` (or ``wait`` seconds
+        passed); the position of the newest ring seen. Rings for other partitions are passed over."""
+        deadline = time.monotonic() + wait
+        wanted = {str(p) for p in parts}
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return position
+            reply = self._client.xread({self.keys.wake: position}, count=WAKE_MAXLEN,
+                                       block=max(1, int(remaining * 1000)))
+            entries = _stream_entries(reply)
+            if not entries:
+                return position
+            position = _text(entries[-1][0])
+            if any(wanted.intersection(_field(fields, "p").split(",")) for _, fields in entries):
+                return position
+
     # ------------------------------------------------------------------ tailing (read-only, no group)
 
     def end_positions(self, partitions: Sequence[int]) -> dict[int, str]:
@@ -363,6 +438,8 @@ class RedisStreamsBus(EventBus):
         streams: dict[Any, Any] = {self.keys.stream(p): after[p] for p in parts}
         by_stream = {self.keys.stream(p).encode(): p for p in parts}
         deadline = time.monotonic() + max(block, 0.0)
+        if self._cluster:
+            return self._tail_cluster(streams, by_stream, count, deadline)
         while True:
             remaining = deadline - time.monotonic()
             wait = remaining if self._max_wait is None else min(remaining, self._max_wait)
@@ -377,6 +454,27 @@ class RedisStreamsBus(EventBus):
                            for entry_id, fields in _stream_entries([[stream, entries]]) if fields is not None)
             if out or deadline - time.monotonic() <= 0:
                 return out
+
+    def _tail_cluster(self, streams: dict[Any, Any], by_stream: dict[bytes, int], count: int,
+                      deadline: float) -> list[Delivery]:
+        """:meth:`tail` on a cluster: one non-blocking ``XREAD`` per stream (a command cannot span slots), in
+        one pipeline; when nothing is there, the doorbell is the wait."""
+        rings: str | None = None
+        parts = list(by_stream.values())
+        while True:
+            pipe = self._client.pipeline(transaction=False)
+            for stream, position in streams.items():
+                pipe.xread({stream: position}, count=count)
+            out: list[Delivery] = []
+            for stream, reply in zip(streams, pipe.execute(), strict=True):
+                partition = by_stream[stream.encode()]
+                out.extend(_delivery(entry_id, fields, partition)
+                           for entry_id, fields in _stream_entries(reply) if fields is not None)
+            remaining = deadline - time.monotonic()
+            if out or remaining <= 0:
+                return out
+            wait = remaining if self._max_wait is None else min(remaining, self._max_wait)
+            rings = self._ring_position() if rings is None else self._wait_for_rings(rings, parts, wait)
 
     # ------------------------------------------------------------------ acknowledging and redelivery
 
@@ -661,21 +759,78 @@ class RedisStreamsBus(EventBus):
         return sum(int(n) for n in pipe.execute())
 
     def epoch(self) -> str:
-        """The token at ``ns:epoch``, created if missing: a new token means the data was lost."""
+        """One token over every partition's (:meth:`epochs`): it changes when any partition lost its data."""
+        tokens = self.epochs()
+        return hashlib.sha1(",".join(tokens[p] for p in sorted(tokens)).encode()).hexdigest()
+
+    def epochs(self) -> dict[int, str]:
+        """Per partition, the token at ``ns:epoch:{ns:pN}`` (created if missing: a new token means the
+        partition lost its data), in one pipelined round trip (one per shard on a cluster).
+
+        A key that survived does not prove the writes did: replication is asynchronous, so a primary killed
+        right after acknowledging an ``XADD`` can fail over to a replica that never received it, while the
+        old epoch key is there. So the same round trip asks ``XINFO STREAM`` of every partition this bus
+        object published to: its newest entry added is lost when the stream never generated that id, or
+        when it is missing between the oldest entry kept and the newest (trimming only removes the oldest).
+        Such a partition gets a new token, which every relay then sees."""
+        with self._lock:
+            added = dict(self._added)
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self.keys.epoch, secrets.token_hex(16), nx=True)
-        pipe.get(self.keys.epoch)
-        _, token = pipe.execute()
-        return _text(token)
+        for p in range(self.partitions):
+            pipe.set(self.keys.epoch(p), secrets.token_hex(8), nx=True)
+            pipe.get(self.keys.epoch(p))
+        for p, entry_id in added.items():
+            pipe.xinfo_stream(self.keys.stream(p))
+            pipe.xrange(self.keys.stream(p), min=entry_id, max=entry_id, count=1)
+        results = pipe.execute(raise_on_error=False)
+        for result in results[:2 * self.partitions]:
+            if isinstance(result, Exception):
+                raise result
+        tokens = {p: _text(results[2 * p + 1]) for p in range(self.partitions)}
+        lost: list[int] = []
+        for i, (p, entry_id) in enumerate(added.items()):
+            info, found = results[2 * self.partitions + 2 * i], results[2 * self.partitions + 2 * i + 1]
+            if isinstance(found, Exception):
+                raise found
+            if found:
+                continue
+            if isinstance(info, ResponseError):  # no such stream: it is gone with what we added
+                lost.append(p)
+                continue
+            if isinstance(info, Exception):
+                raise info
+            last = _parse_id(info.get("last-generated-id", "0-0"))
+            first = info.get("first-entry")
+            mine = _parse_id(entry_id)
+            if last < mine or (first is not None and _parse_id(first[0]) < mine):
+                lost.append(p)
+        if lost:
+            pipe = self._client.pipeline(transaction=False)
+            for p in lost:
+                tokens[p] = secrets.token_hex(8)
+                pipe.set(self.keys.epoch(p), tokens[p])
+            pipe.execute()
+            log.warning("bus %s: entries this process published to partition(s) %s are gone (a failover to a "
+                        "replica that had not received them?): their epochs are renewed so they are republished",
+                        self._display, lost)
+        with self._lock:
+            for p in lost:  # renewed once; what this bus publishes next is checked afresh
+                if self._added.get(p) == added[p]:
+                    del self._added[p]
+        return tokens
 
     def purge_all(self) -> int:
         """Delete every key of this bus's namespace (:func:`delete_namespace`); how many there were."""
+        with self._lock:
+            self._added.clear()
         return delete_namespace(self._client, self.keys.namespace)
 
     def close(self) -> None:
-        if self._owned:
-            self._client.close()
-            self._client.connection_pool.disconnect()
+        client = self._client_obj
+        if self._owned and client is not None:
+            client.close()
+            if not self._cluster:
+                client.connection_pool.disconnect()
 
     # ------------------------------------------------------------------ helpers
 
@@ -689,9 +844,44 @@ class RedisStreamsBus(EventBus):
         return out
 
 
-def delete_namespace(client: redis.Redis[Any], namespace: str) -> int:
+def connect(url: str, *, socket_timeout: float = 30.0) -> tuple[Any, bool]:
+    """A client for the Redis at ``url`` and whether it is a cluster: ``RedisCluster`` (which finds every
+    node from this one and follows slots, MOVED and failovers) when that node has cluster mode on, else
+    ``redis.Redis``. Replies are not decoded (see the module docstring)."""
+    options: dict[str, Any] = {"decode_responses": False, "socket_timeout": socket_timeout,
+                               "socket_connect_timeout": min(socket_timeout, 10.0)}
+    single = redis.Redis.from_url(url, health_check_interval=30, **options)
+    try:
+        enabled = str(single.info("cluster").get("cluster_enabled", 0)) == "1"
+    except ResponseError:  # a server without INFO cluster: not a cluster
+        enabled = False
+    except BaseException:
+        single.close()
+        raise
+    if not enabled:
+        return single, False
+    single.close()
+    single.connection_pool.disconnect()
+    return RedisCluster.from_url(url, **options), True
+
+
+def _client_kwargs(client: Any) -> dict[str, Any]:
+    if isinstance(client, RedisCluster):
+        node = client.get_default_node()
+        return dict(node.redis_connection.connection_pool.connection_kwargs) if node and node.redis_connection \
+            else {}
+    return dict(client.connection_pool.connection_kwargs)
+
+
+def _client_host(client: Any) -> str:
+    kwargs = _client_kwargs(client)
+    return str(kwargs.get("host", kwargs.get("path", "?")))
+
+
+def delete_namespace(client: Any, namespace: str) -> int:
     """Delete every key of one bus namespace, and nothing else (a Redis "lost its data" in tests and
-    benchmarks, or a namespace's cleanup); how many keys there were."""
+    benchmarks, or a namespace's cleanup); how many keys there were. On a cluster the scan visits every
+    primary and the delete is split by slot (redis-py's cluster client does both)."""
     keys = list(client.scan_iter(match=BusKeys(namespace).pattern, count=1000))
     if keys:
         client.delete(*keys)

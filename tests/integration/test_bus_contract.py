@@ -36,58 +36,49 @@ from bridge.bus.keys import BusKeys
 from bridge.bus.redis_streams import RedisStreamsBus
 from bridge.core.errors import ConfigError
 from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent
-from bridge.db.engine import create_engine, db_now
-from bridge.db.schema import bus_log
+from bridge.db.engine import create_engine
+from tests.support.buses import Backend, embedded_backend, redis_backend
+from tests.support.rabbitmq import rabbitmq_backend
 
 P = 4
 ALL = list(range(P))
 
 
-@pytest.fixture(params=[
+BACKENDS = [
     "embedded-sqlite",
     pytest.param("embedded-postgresql", marks=pytest.mark.postgres),
     pytest.param("redis", marks=pytest.mark.redis),
-])
-def bus(request: pytest.FixtureRequest) -> Iterator[EventBus]:
-    if request.param == "redis":
-        url = str(request.getfixturevalue("redis_server"))
-        rbus = RedisStreamsBus(url, partitions=P, namespace=str(request.getfixturevalue("redis_namespace")))
-        yield rbus
-        rbus.close()
-        return
-    fixture = "sqlite_url" if request.param == "embedded-sqlite" else "pg_url"
-    engine = create_engine(str(request.getfixturevalue(fixture)))
-    ebus = EmbeddedBus(engine, partitions=P)
-    yield ebus
-    ebus.close()
-    engine.dispose()
+    pytest.param("redis-cluster", marks=pytest.mark.redis),
+    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """The backend under test and its hooks (tests/support/buses.py); every handle it opened is closed after."""
+    name = request.param
+    made: Backend
+    if name in ("redis", "redis-cluster"):
+        url = str(request.getfixturevalue("redis_server" if name == "redis" else "redis_cluster"))
+        made = redis_backend(name, url, f"pbtest-{uuid.uuid4().hex[:10]}", P)
+    elif name == "rabbitmq":
+        made = rabbitmq_backend(request, P)
+    else:
+        made = embedded_backend(name, str(request.getfixturevalue("sqlite_url" if name == "embedded-sqlite"
+                                                                   else "pg_url")), P)
+    yield made
+    made.close()
 
 
 @pytest.fixture
-def twin(bus: EventBus, request: pytest.FixtureRequest) -> Iterator[Callable[[], EventBus]]:
+def bus(backend: Backend) -> EventBus:
+    return backend.open()
+
+
+@pytest.fixture
+def twin(backend: Backend) -> Callable[[], EventBus]:
     """Opens more bus objects on the same storage, each with its own connections (like other processes)."""
-    redis_url = str(request.getfixturevalue("redis_server")) if isinstance(bus, RedisStreamsBus) else None
-    made: list[EventBus] = []
-    engines: list[Any] = []
-
-    def make() -> EventBus:
-        other: EventBus
-        if isinstance(bus, RedisStreamsBus):
-            assert redis_url is not None
-            other = RedisStreamsBus(redis_url, partitions=P, namespace=bus.keys.namespace)
-        else:
-            assert isinstance(bus, EmbeddedBus)
-            engine = create_engine(bus.engine.url.render_as_string(hide_password=False))
-            engines.append(engine)
-            other = EmbeddedBus(engine, partitions=P)
-        made.append(other)
-        return other
-
-    yield make
-    for other in made:
-        other.close()
-    for engine in engines:
-        engine.dispose()
+    return backend.open
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -106,26 +97,10 @@ def _keys_on_distinct_partitions(count: int) -> list[str]:
     return list(keys.values())
 
 
-def _raw_append(bus: EventBus, partition: int, payload: str | bytes | None, event_id: str = "raw") -> None:
+def _raw_append(backend: Backend, bus: EventBus, partition: int, payload: str | bytes | None,
+                event_id: str = "raw") -> None:
     """Write an entry straight into the backend's storage, bypassing publish (and its validation and wake-up)."""
-    if isinstance(bus, RedisStreamsBus):
-        fields: dict[str, str | bytes] = {"id": event_id}
-        if payload is not None:
-            fields["payload"] = payload
-        bus.client.xadd(bus.keys.stream(partition), fields)
-        return
-    assert isinstance(bus, EmbeddedBus)
-    text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload or ""
-    # On SQLite through a plain SQLAlchemy engine, not pollbridge's: its commit is another process's to the
-    # bus's readers (only their file watcher sees it), as a write of another process would be.
-    engine = sa.create_engine(bus.engine.url) if bus.engine.dialect.name == "sqlite" else bus.engine
-    try:
-        with engine.begin() as conn:
-            conn.execute(bus_log.insert().values(partition=partition, event_id=event_id[:36], payload=text,
-                                                 created_at=db_now(bus.engine.dialect.name)))
-    finally:
-        if engine is not bus.engine:
-            engine.dispose()
+    backend.raw_append(bus, partition, payload, event_id)
 
 
 def _read_n(bus: EventBus, group: str, consumer: str, n: int, partitions: list[int] = ALL,
@@ -347,7 +322,7 @@ def test_ack_and_read_acknowledges_before_reading_the_next_batch(bus: EventBus) 
 @pytest.mark.parametrize("via", ["read", "ack_and_read"])
 @pytest.mark.parametrize("how", ["publish", "raw"])
 def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twin: Callable[[], EventBus],
-                                                              how: str, via: str) -> None:
+                                                              backend: Backend, how: str, via: str) -> None:
     """``publish`` from another bus object; ``raw`` writes the storage directly, as another process would.
     ``ack_and_read`` blocks the same way, its acknowledgements made before it waits."""
     bus.ensure_group("g")
@@ -363,7 +338,7 @@ def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twi
         if how == "publish":
             publisher.publish([event])
         else:
-            _raw_append(publisher, publisher.partition_of(event), event.to_json(), event.id)
+            _raw_append(backend, publisher, publisher.partition_of(event), event.to_json(), event.id)
         published_at.append(time.monotonic())
 
     timer = threading.Timer(0.3, publish)  # lands inside the block below
@@ -400,13 +375,12 @@ def test_blocking_read_returns_nothing_after_the_block_when_nothing_comes(bus: E
     assert time.monotonic() - start < 1.0
 
 
-def test_malformed_entries_are_delivered_with_an_error(bus: EventBus) -> None:
+def test_malformed_entries_are_delivered_with_an_error(bus: EventBus, backend: Backend) -> None:
     bus.ensure_group("g")
     bad: list[str | bytes | None] = ["not json {", '{"specversion": "1.0", "id": "x"}', "[1, 2]", ""]
-    if isinstance(bus, RedisStreamsBus):
-        bad += [None, b"\xff\xfe not utf-8"]  # no payload field; bytes that are not UTF-8
+    bad += backend.raw_extra  # e.g. no payload field; bytes that are not UTF-8
     for i, payload in enumerate(bad):
-        _raw_append(bus, i % P, payload, f"bad-{i}")
+        _raw_append(backend, bus, i % P, payload, f"bad-{i}")
     good = _event("inst-good", 0)
     bus.publish([good])
 
@@ -594,50 +568,39 @@ def test_dead_letter_count_matches_the_dead_letters(bus: EventBus) -> None:
 
 
 def test_purge_all_empties_the_bus_and_leaves_it_usable(bus: EventBus, twin: Callable[[], EventBus],
-                                                         redis_server_if_redis: str | None) -> None:
-    """purge_all removes entries, groups, pending entries and dead letters (and, on Redis, every key of the
-    namespace and no other namespace's); a purged bus works as new, and purging it again removes nothing."""
+                                                         backend: Backend) -> None:
+    """purge_all removes entries, groups, pending entries and dead letters (and, on a server, everything of the
+    installation and nothing of another's); a purged bus works as new, and purging it again removes nothing."""
     neighbour = None
-    if redis_server_if_redis is not None:  # another installation's namespace on the same server stays
-        neighbour = RedisStreamsBus(redis_server_if_redis, partitions=P, namespace=f"pbtest-{uuid.uuid4().hex[:10]}")
+    if backend.neighbour is not None:  # another installation on the same server stays
+        neighbour = backend.neighbour()
         neighbour.publish([_event("inst-n", 0)])
-    try:
-        bus.ensure_group("g")
-        bus.publish([_event(f"inst-{i}", i) for i in range(6)])
-        got = _read_n(bus, "g", "c", 6)
-        bus.ack("g", got[:2])
-        bus.dead_letter("g", got[2], "poison")  # 3 left pending, 1 dead letter
-        removed = bus.purge_all()
-        assert removed > 0
-        assert bus.dead_letters() == [] and bus.dead_letter_count() == 0
-        assert bus.pending_count("g") == 0 and _total(bus.lag("g")) == 0
-        assert bus.purge_all() == 0
-        other = twin()  # what another process sees: nothing either
-        assert other.dead_letter_count() == 0 and other.tail({p: "0" for p in ALL}, 10, 0.0) == []
-        if isinstance(bus, RedisStreamsBus):
-            assert list(bus.client.scan_iter(match=bus.keys.pattern)) == []
-        bus.ensure_group("g")  # as new: publish and read again
-        bus.publish([_event("inst-x", 1)])
-        (fresh,) = _read_n(bus, "g", "c", 1)
-        assert fresh.event is not None and fresh.event.data["n"] == 1
-        if neighbour is not None:
-            assert len(neighbour.tail({p: "0" for p in ALL}, 10, 0.0)) == 1
-    finally:
-        if neighbour is not None:
-            neighbour.purge_all()
-            neighbour.close()
-
-
-@pytest.fixture
-def redis_server_if_redis(bus: EventBus, request: pytest.FixtureRequest) -> str | None:
-    return str(request.getfixturevalue("redis_server")) if isinstance(bus, RedisStreamsBus) else None
+    bus.ensure_group("g")
+    bus.publish([_event(f"inst-{i}", i) for i in range(6)])
+    got = _read_n(bus, "g", "c", 6)
+    bus.ack("g", got[:2])
+    bus.dead_letter("g", got[2], "poison")  # 3 left pending, 1 dead letter
+    removed = bus.purge_all()
+    assert removed > 0
+    assert bus.dead_letters() == [] and bus.dead_letter_count() == 0
+    assert bus.pending_count("g") == 0 and _total(bus.lag("g")) == 0
+    assert bus.purge_all() == 0
+    other = twin()  # what another process sees: nothing either
+    assert other.dead_letter_count() == 0 and other.tail({p: "0" for p in ALL}, 10, 0.0) == []
+    if backend.leftovers is not None:
+        assert backend.leftovers(bus) == []
+    bus.ensure_group("g")  # as new: publish and read again
+    bus.publish([_event("inst-x", 1)])
+    (fresh,) = _read_n(bus, "g", "c", 1)
+    assert fresh.event is not None and fresh.event.data["n"] == 1
+    if neighbour is not None:
+        assert len(neighbour.tail({p: "0" for p in ALL}, 10, 0.0)) == 1
 
 
 def test_leases_kept_beside_the_bus_split_the_partitions_fairly(bus: EventBus) -> None:
     """A bus either keeps the scheduler's partition leases (Redis) or says it does not (embedded: None)."""
     leases = bus.leases()
-    if isinstance(bus, EmbeddedBus):
-        assert leases is None  # the scheduler keeps them in the database
+    if leases is None:  # e.g. the embedded bus  # the scheduler keeps them in the database
         return
     assert leases is not None and leases.partitions == P
     half = set(range(P // 2))
@@ -937,7 +900,7 @@ def test_redis_key_layout_is_namespaced_and_hash_tagged_per_partition() -> None:
     keys = BusKeys()
     streams = keys.streams(8)
     assert streams[3] == "pollbridge:events:{pollbridge:p3}"
-    assert all(k.startswith("pollbridge:") for k in [*streams, keys.dead, keys.epoch])
+    assert all(k.startswith("pollbridge:") for k in [*streams, keys.dead, keys.epoch(0), keys.wake])
     assert len({key_slot(s.encode()) for s in streams}) == 8  # each partition on its own slot
     for bad in ("", "a b", "x{y}", "ns*", "a:b"):
         with pytest.raises(ConfigError):

@@ -130,11 +130,9 @@ def drive_until_settled(
 
 def clear_redis_namespace(redis_url: str, namespace: str) -> int:
     """Delete every key of one test's bus namespace (and nothing else); how many there were."""
-    import redis
+    from bridge.bus.redis_streams import connect, delete_namespace
 
-    from bridge.bus.redis_streams import delete_namespace
-
-    client = redis.Redis.from_url(redis_url)
+    client, _ = connect(redis_url)  # a server or a cluster
     try:
         return delete_namespace(client, namespace)
     finally:

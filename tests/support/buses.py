@@ -1,0 +1,113 @@
+"""What the one bus contract suite needs to know of each backend, beyond the :class:`EventBus` interface.
+
+The contract tests themselves never ask which backend they run on; a test that needs to reach past the
+interface (write a malformed entry straight into storage, open a second handle as another process would,
+check that nothing of the installation is left after a purge) asks the :class:`Backend` hooks. Each backend
+keeps its specifics in its own function here (RabbitMQ's in :mod:`tests.support.rabbitmq`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from bridge.bus.base import EventBus
+from bridge.bus.embedded import EmbeddedBus
+from bridge.bus.redis_streams import RedisStreamsBus
+from bridge.db.engine import create_engine, db_now
+from bridge.db.schema import bus_log
+from tests.support import clear_redis_namespace
+
+Payload = str | bytes | None
+
+
+@dataclass
+class Backend:
+    """One backend under test. ``open()`` opens another handle on the same storage with its own connections
+    (as another process would); every handle it made is closed by :meth:`close`."""
+
+    name: str
+    open: Callable[[], EventBus]
+    #: Writes one entry straight into the backend's storage, bypassing publish (its validation and wake-up):
+    #: (bus, partition, payload or None for "no payload field", event id).
+    raw_append: Callable[[EventBus, int, Payload, str], None]
+    #: Malformed payloads beyond text that this backend can hold (None: an entry without a payload field;
+    #: bytes that are not UTF-8).
+    raw_extra: tuple[Payload, ...] = ()
+    #: Another installation on the same server (another namespace), or None when installations cannot share one.
+    neighbour: Callable[[], EventBus] | None = None
+    #: The names of everything of ``bus``'s installation still on the server (after a purge: nothing).
+    leftovers: Callable[[EventBus], list[str]] | None = None
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def track(self, closer: Callable[[], None]) -> None:
+        self._closers.append(closer)
+
+    def close(self) -> None:
+        for closer in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                closer()
+
+
+def embedded_backend(name: str, url: str, partitions: int) -> Backend:
+    closers: list[Callable[[], None]] = []
+
+    def make() -> EventBus:
+        engine = create_engine(url)
+        bus = EmbeddedBus(engine, partitions=partitions)
+        closers.extend((engine.dispose, bus.close))
+        return bus
+
+    return Backend(name=name, open=make, raw_append=_embedded_raw_append, _closers=closers)
+
+
+def _embedded_raw_append(bus: EventBus, partition: int, payload: Payload, event_id: str) -> None:
+    assert isinstance(bus, EmbeddedBus)
+    text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload or ""
+    # On SQLite through a plain SQLAlchemy engine, not pollbridge's: its commit is another process's to the
+    # bus's readers (only their file watcher sees it), as a write of another process would be.
+    engine = sa.create_engine(bus.engine.url) if bus.engine.dialect.name == "sqlite" else bus.engine
+    try:
+        with engine.begin() as conn:
+            conn.execute(bus_log.insert().values(partition=partition, event_id=event_id[:36], payload=text,
+                                                 created_at=db_now(bus.engine.dialect.name)))
+    finally:
+        if engine is not bus.engine:
+            engine.dispose()
+
+
+def redis_backend(name: str, url: str, namespace: str, partitions: int) -> Backend:
+    """A Redis server or a Redis Cluster (the bus detects which from the URL's node); the namespace's keys are
+    deleted afterwards."""
+    closers: list[Callable[[], None]] = [lambda: clear_redis_namespace(url, namespace)]
+
+    def make(ns: str = namespace) -> EventBus:
+        bus = RedisStreamsBus(url, partitions=partitions, namespace=ns)
+        closers.append(bus.close)
+        return bus
+
+    def neighbour() -> EventBus:
+        bus = make(f"pbtest-{uuid.uuid4().hex[:10]}")
+        closers.append(bus.purge_all)
+        return bus
+
+    def leftovers(bus: EventBus) -> list[str]:
+        assert isinstance(bus, RedisStreamsBus)
+        return sorted(str(k) for k in bus.client.scan_iter(match=bus.keys.pattern))
+
+    return Backend(name=name, open=make, raw_append=_redis_raw_append, raw_extra=(None, b"\xff\xfe not utf-8"),
+                   neighbour=neighbour, leftovers=leftovers, _closers=closers)
+
+
+def _redis_raw_append(bus: EventBus, partition: int, payload: Payload, event_id: str) -> None:
+    assert isinstance(bus, RedisStreamsBus)
+    fields: dict[str, str | bytes] = {"id": event_id}
+    if payload is not None:
+        fields["payload"] = payload
+    bus.client.xadd(bus.keys.stream(partition), fields)
+    if bus.cluster:  # a cluster's readers wait on the doorbell, which every pollbridge publish rings
+        bus.client.xadd(bus.keys.wake, {"p": str(partition)})

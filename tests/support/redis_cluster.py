@@ -1,0 +1,192 @@
+"""A real Redis Cluster for tests: 3 primaries and 3 replicas on free local ports, started from the
+``redis-server`` binary (``--cluster-enabled yes``), joined by ``redis-cli --cluster create`` and torn down.
+
+Nothing is persisted (``--save '' --appendonly no``): a killed primary's data survives only on its
+replica, as in a production cluster whose replication is asynchronous. :meth:`LocalCluster.kill` and
+:meth:`LocalCluster.wait_failover` drive a failover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+PRIMARIES = 3
+#: How long a node may be unreachable before the others count it failed (ms). Short, so a failover test
+#: does not wait long; above the pauses a loaded 2-core machine gives a node.
+NODE_TIMEOUT_MS = 2000
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _free_port() -> int:
+    """A free TCP port whose cluster-bus port (+10000) is free as well."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+@dataclass
+class LocalCluster:
+    ports: list[int]
+    workdir: Path
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2)
+
+    def start_node(self, port: int) -> None:
+        d = self.workdir / str(port)
+        d.mkdir(exist_ok=True)
+        log = open(d / "redis.log", "ab")  # noqa: SIM115 - kept open for the server's life
+        self.processes[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", str(d / "nodes.conf"), "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+             "--save", "", "--appendonly", "no", "--dir", str(d), "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if self.node(port).ping():
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} did not start: see {d / 'redis.log'}")
+            time.sleep(0.05)
+
+    def primaries(self) -> dict[int, tuple[int, int]]:
+        """Live primaries: port -> (first slot, last slot) of their first range."""
+        for port in self.ports:
+            if port not in self.processes or self.processes[port].poll() is not None:
+                continue
+            try:
+                slots = self.node(port).execute_command("CLUSTER SLOTS")
+            except redis.RedisError:
+                continue
+            return {int(s[2][1]): (int(s[0]), int(s[1])) for s in slots}
+        return {}
+
+    def primary_of(self, key: str) -> int:
+        slot = int(self.node(self.alive()[0]).execute_command("CLUSTER KEYSLOT", key))
+        for port, (lo, hi) in self.primaries().items():
+            if lo <= slot <= hi:
+                return port
+        raise RuntimeError(f"no primary serves slot {slot}")
+
+    def alive(self) -> list[int]:
+        return [p for p in self.ports if p in self.processes and self.processes[p].poll() is None]
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (no shutdown, nothing saved)."""
+        proc = self.processes[port]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def wait_ok(self, timeout: float = 60.0, primaries: int = PRIMARIES) -> None:
+        """Until every live node says the cluster is ok and sees ``primaries`` live primaries covering all slots."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                states = []
+                for port in self.alive():
+                    info = self.node(port).execute_command("CLUSTER INFO")  # parsed into a dict by redis-py
+                    states.append(_text(info.get("cluster_state") if isinstance(info, dict) else info) in
+                                  ("ok", "cluster_state:ok"))
+                covered = sum(hi - lo + 1 for lo, hi in self._all_ranges())
+                if all(states) and covered == 16384 and len(self.primaries()) >= primaries:
+                    return
+                last = f"states={states} covered={covered}"
+            except redis.RedisError as exc:
+                last = str(exc)
+            time.sleep(0.1)
+        raise RuntimeError(f"the cluster did not settle within {timeout:.0f} s ({last})")
+
+    def _all_ranges(self) -> list[tuple[int, int]]:
+        for port in self.alive():
+            try:
+                return [(int(s[0]), int(s[1])) for s in self.node(port).execute_command("CLUSTER SLOTS")]
+            except redis.RedisError:
+                continue
+        return []
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again: it rejoins (as a replica of whoever took its slots)."""
+        self.start_node(port)
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in self.processes.values():
+            with contextlib.suppress(Exception):
+                proc.wait(10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_cluster() -> LocalCluster:
+    """Start 3 primaries and 3 replicas, join them and wait until the cluster is ok."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        raise FileNotFoundError("redis-server and redis-cli")
+    cluster = LocalCluster(ports=[_free_port() for _ in range(2 * PRIMARIES)],
+                           workdir=Path(tempfile.mkdtemp(prefix="pb-redis-cluster-")))
+    try:
+        for port in cluster.ports:
+            cluster.start_node(port)
+        made = subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in cluster.ports],
+             "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60)
+        if made.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {(made.stderr or made.stdout).strip()[-500:]}")
+        cluster.wait_ok()
+        # Replicas must have synced before a failover can keep anything.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            synced = 0
+            for port in cluster.ports:
+                info = cluster.node(port).info("replication")
+                if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                    synced += 1
+            if synced == PRIMARIES:
+                break
+            time.sleep(0.1)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@contextlib.contextmanager
+def running_cluster() -> Iterator[LocalCluster]:
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
