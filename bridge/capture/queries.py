@@ -106,6 +106,20 @@ def requeue_statement(dialect_name: str, partition: int, since: datetime) -> sa.
             .values(published_at=None, created_at=db_now(dialect_name)))
 
 
+def retained_statement(partition: int, since: datetime) -> sa.Select[Any]:
+    """After one bus partition's loss: the id and instance of every row of ``partition`` published at or after
+    ``since`` (the relay keeps those whose instance the lost bus partitions hold)."""
+    o = outbox.c
+    return (sa.select(o.id, o.instance_id)
+            .where(o.relay_partition == partition, o.published_at.is_not(None), o.published_at >= since))
+
+
+def requeue_ids_statement(dialect_name: str, ids: Sequence[Any]) -> sa.Update:
+    """The rows ``ids`` unpublished again, as :func:`requeue_statement` does for a whole window."""
+    return (outbox.update().where(outbox.c.id.in_(list(ids)), outbox.c.published_at.is_not(None))
+            .values(published_at=None, created_at=db_now(dialect_name)))
+
+
 def set_bus_epoch_statement(partition: int, epoch: str | None) -> sa.Update:
     """The bus epoch stored for ``partition`` (what the next check compares with)."""
     return relay_state.update().where(relay_state.c.relay_partition == partition).values(bus_epoch=epoch)
@@ -203,6 +217,14 @@ class RelayQueries:
     def requeue(self, since: datetime) -> sa.Update:
         """:func:`requeue_statement`."""
         return requeue_statement(self.dialect_name, self.partition, since)
+
+    def retained(self, since: datetime) -> sa.Select[Any]:
+        """:func:`retained_statement`."""
+        return retained_statement(self.partition, since)
+
+    def requeue_ids(self, ids: Sequence[Any]) -> sa.Update:
+        """:func:`requeue_ids_statement`."""
+        return requeue_ids_statement(self.dialect_name, ids)
 
     def set_bus_epoch(self, epoch: str | None) -> sa.Update:
         """:func:`set_bus_epoch_statement`."""

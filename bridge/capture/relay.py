@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Connection, Engine
 
-from bridge.bus.base import EventBus
+from bridge.bus.base import EventBus, partition_for
 from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
@@ -158,6 +158,24 @@ def describe_statuses(statuses: StatusValues) -> str:
     return "; ".join(parts)
 
 
+#: Rows unpublished per statement after one bus partition's loss (a bounded IN list).
+_REQUEUE_CHUNK = 500
+
+
+def parse_epochs(stored: str | None) -> dict[int, str]:
+    """The per-partition epochs a relay stored (JSON ``{"0": token, ...}``); ``{}`` for nothing stored or a
+    single token stored before migration 0011 (compared with nothing: stored again, not replayed)."""
+    if not stored:
+        return {}
+    try:
+        raw = json.loads(stored)
+    except ValueError:
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {int(p): str(t) for p, t in raw.items() if str(p).isdigit()}
+
+
 class Relay:
     def __init__(
         self,
@@ -187,7 +205,8 @@ class Relay:
         self.metrics = RelayMetrics(registry if registry is not None else CollectorRegistry())
         self.leadership = leadership or leadership_for(engine, partition, settings.lease_timeout)
         self.pg = engine.dialect.name == "postgresql"
-        self._epoch: str | None = None
+        #: The bus's epochs as last stored, per bus partition (None: not read yet).
+        self._epochs: dict[int, str] | None = None
         self._armed = False
         #: ``adaptive``: the first transaction id not started when the relay last armed, until every
         #: transaction before it has ended (:meth:`_idle_listening`).
@@ -306,34 +325,47 @@ class Relay:
         return backlog.unpublished
 
     def check_bus_epoch(self) -> bool:
-        """Detect bus loss; on loss queue the retained rows for republishing. True if a reset was handled."""
-        epoch = self.bus.epoch()
-        if self._epoch is None:
+        """Detect bus loss; on loss queue the retained rows of the partitions that lost their data for
+        republishing (every partition's when the whole bus lost it). True if a reset was handled."""
+        epochs = self.bus.epochs()
+        if self._epochs is None:
             with self._begin() as conn:
-                self._epoch = conn.execute(self.queries.bus_epoch()).scalar()
-        if self._epoch == epoch:
+                self._epochs = parse_epochs(conn.execute(self.queries.bus_epoch()).scalar())
+        # A partition with no stored epoch (the first check, an installation that stored one token before
+        # migration 0011, a changed partition count) has nothing to compare with: stored, not replayed.
+        lost = sorted(p for p, token in epochs.items() if self._epochs.get(p) not in (None, token))
+        if self._epochs == epochs:
             return False
-        reset = self._epoch is not None
+        count = 0
         with self._begin() as conn:
             # Unlike the relay's other writes, this one must not be lost in a server crash: the in-memory
-            # epoch moves on after it, and a lost requeue would never be redone.
+            # epochs move on after it, and a lost requeue would never be redone.
             if self.pg:
                 conn.exec_driver_sql("SET LOCAL synchronous_commit = on")
-            if reset:
+            if lost:
                 since = datetime.now(UTC) - timedelta(seconds=self.settings.retention)
                 if not self.pg:
                     since = since.replace(tzinfo=None)
                 # Requeued now: created_at is "queued for publishing since", so the guardian does not read a
                 # replay of old rows as a relay stuck for as long as they are old (the replayed events carry the
                 # replay time; their trace ids and the database are unchanged).
-                count = conn.execute(self.queries.requeue(since)).rowcount
-            conn.execute(self.queries.set_bus_epoch(epoch))
-        self._epoch = epoch
-        if reset:
+                if len(lost) == len(epochs):
+                    count = conn.execute(self.queries.requeue(since)).rowcount
+                else:  # one shard of a cluster: only the rows whose instances its partitions hold
+                    wanted = set(lost)
+                    ids = [row.id for row in conn.execute(self.queries.retained(since))
+                           if partition_for(row.instance_id or "", self.bus.partitions) in wanted]
+                    for start in range(0, len(ids), _REQUEUE_CHUNK):
+                        count += conn.execute(self.queries.requeue_ids(ids[start:start + _REQUEUE_CHUNK])).rowcount
+            conn.execute(self.queries.set_bus_epoch(json.dumps({str(p): t for p, t in sorted(epochs.items())})))
+        self._epochs = epochs
+        if lost:
             self.metrics.bus_resets.inc()
             self.metrics.republished.inc(count)
-            log.warning("bus lost its data (epoch changed): republishing %d retained outbox row(s)", count)
-        return reset
+            which = "every partition" if len(lost) == len(epochs) else f"partition(s) {lost}"
+            log.warning("bus lost the data of %s (epoch changed): republishing %d retained outbox row(s)",
+                        which, count)
+        return bool(lost)
 
     def _memory_paused(self) -> bool:
         pressure = self.bus.memory_pressure()

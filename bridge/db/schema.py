@@ -104,7 +104,8 @@ relay_state = sa.Table(
     sa.Column("armed", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("holder", sa.String(200), nullable=True),
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=True),
-    sa.Column("bus_epoch", sa.String(64), nullable=True),
+    # The bus's epochs, one per bus partition, as JSON (migration 0011; was one token in 64 characters).
+    sa.Column("bus_epoch", sa.Text, nullable=True),
 )
 
 #: Which capture is on and the write-ahead log's share of the changes (migration 0009; one row, id 1).

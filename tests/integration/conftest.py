@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from bridge.app import install
-from bridge.bus import EventBus, open_bus
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from tests.support import Env
+from tests.support.stacks import ENV_PARAMS, make_env
 
 
 @pytest.fixture
@@ -28,32 +28,10 @@ def tables(engine: Engine) -> TaskTable:
     return reflect_tables(engine, TaskTableMapping())
 
 
-@pytest.fixture(params=[
-    "sqlite-embedded",
-    pytest.param("postgresql-embedded", marks=pytest.mark.postgres),
-    pytest.param("postgresql-redis", marks=[pytest.mark.postgres, pytest.mark.redis]),
-])
+@pytest.fixture(params=ENV_PARAMS)
 def env(request: pytest.FixtureRequest) -> Iterator[Env]:
     """The three supported stacks: SQLite + embedded bus, PostgreSQL + embedded bus, PostgreSQL + Redis."""
-    db, bus_kind = request.param.split("-")
-    url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
-    engine = create_engine(url)
-    buses: list[EventBus] = []
-    namespace = None
-    bus_url = "embedded"
-    if bus_kind == "redis":
-        bus_url = request.getfixturevalue("redis_server")
-        namespace = request.getfixturevalue("redis_namespace")
-
-    def opener() -> EventBus:
-        bus = open_bus(bus_url, engine=engine, partitions=4, namespace=namespace or "pollbridge")
-        buses.append(bus)
-        return bus
-
-    yield Env(engine, reflect_tables(engine, TaskTableMapping()), opener, request.param, namespace, url)
-    for bus in buses:
-        bus.close()
-    engine.dispose()
+    yield from make_env(request)
 
 
 # --- one database per module and dialect, emptied before each test (cloning one per test costs seconds) ---

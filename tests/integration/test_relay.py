@@ -21,7 +21,8 @@ from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings
 from bridge.db.clock import as_utc
 from bridge.db.schema import outbox, outbox_dead, relay_state
-from tests.support import Audit, Env, wait_for
+from tests.support import Audit, Env, clear_redis_namespace, wait_for
+from tests.support.stacks import ENV_PARAMS_WITH_CLUSTER, make_env
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
                      lease_timeout=1.0, purge_interval=3600)
@@ -125,20 +126,23 @@ def test_malformed_row_is_dead_lettered_and_the_relay_carries_on(env: Env) -> No
     assert relay.metrics.value("pollbridge_outbox_dead_letters_total") == 1
 
 
-def test_bus_loss_is_detected_and_retained_rows_republished(env: Env, running: Callable[[Relay], object]) -> None:
-    if not env.kind.endswith("redis"):
-        pytest.skip("the embedded bus lives in the database: it is lost only with the database")
-    import redis
+@pytest.fixture(params=ENV_PARAMS_WITH_CLUSTER)
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    """Every stack, and PostgreSQL + a Redis Cluster."""
+    yield from make_env(request)
 
+
+def test_bus_loss_is_detected_and_retained_rows_republished(env: Env, running: Callable[[Relay], object]) -> None:
+    if env.bus_url is None:
+        pytest.skip("the embedded bus lives in the database: it is lost only with the database")
     relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
     running(relay)
     add_tasks(env, "before", 10)
     before = outbox_event_ids(env)
     assert Audit(env.open_bus(), "consumer").collect(before) == before
     # Redis restarted without persistence: every key of the namespace is gone.
-    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
-    client.delete(*list(client.scan_iter(match=f"{env.namespace}:*")))
-    client.close()
+    assert env.namespace is not None
+    clear_redis_namespace(env.bus_url, env.namespace)
     wait_for(lambda: relay.metrics.value("pollbridge_relay_bus_resets_total") >= 1, 10, what="bus reset detection")
     add_tasks(env, "after", 5)
     everything = outbox_event_ids(env)
@@ -649,3 +653,77 @@ def test_a_burst_turns_the_notifications_off_and_the_trickle_after_it_on(
     add_tasks(env, "after", 1)
     wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 151, 2.5,
              what="a change after the burst published by its notification")
+
+
+def _instances_by_partition(partitions: int, per: int) -> dict[int, list[str]]:
+    """Instance ids, ``per`` on each bus partition."""
+    from bridge.bus.base import partition_for
+
+    out: dict[int, list[str]] = {p: [] for p in range(partitions)}
+    i = 0
+    while any(len(v) < per for v in out.values()):
+        name = f"inst-{i}"
+        p = partition_for(name, partitions)
+        if len(out[p]) < per:
+            out[p].append(name)
+        i += 1
+    return out
+
+
+def test_one_partitions_loss_republishes_only_that_partitions_rows(env: Env,
+                                                                   running: Callable[[Relay], object]) -> None:
+    """One shard of a cluster lost (its partition's stream and epoch gone): only the rows whose instances that
+    partition holds are republished, and a consumer still receives every change."""
+    if env.bus_url is None:
+        pytest.skip("the embedded bus lives in the database: it is lost only with the database")
+    from bridge.bus.redis_streams import RedisStreamsBus
+
+    bus = env.open_bus()
+    assert isinstance(bus, RedisStreamsBus)
+    relay = Relay(env.engine, bus, FAST, statuses=env.tables.mapping.statuses)
+    running(relay)
+    by_partition = _instances_by_partition(bus.partitions, 2)
+    for names in by_partition.values():
+        for name in names:
+            add_tasks(env, name, 3)
+    before = outbox_event_ids(env)
+    assert Audit(env.open_bus(), "consumer").collect(before) == before
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == len(before), 10, what="published")
+    lost = 2
+    bus.client.delete(bus.keys.stream(lost))
+    bus.client.delete(bus.keys.epoch(lost))
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_bus_resets_total") >= 1, 10, what="loss detection")
+    assert relay.metrics.value("pollbridge_relay_republished_total") == 3 * len(by_partition[lost])
+    everything = outbox_event_ids(env)
+    assert Audit(env.open_bus(), "late").collect(everything) == everything
+
+
+def test_an_acknowledged_write_that_vanished_renews_its_partitions_epoch(env: Env,
+                                                                          running: Callable[[Relay], object]) -> None:
+    """A failover to a replica that had not received the newest entries keeps the stream and its epoch key: the
+    relay finds the entry it published gone (here: deleted) and has that partition's rows republished."""
+    if env.bus_url is None:
+        pytest.skip("the embedded bus lives in the database: it is lost only with the database")
+    from bridge.bus.redis_streams import RedisStreamsBus
+
+    bus = env.open_bus()
+    assert isinstance(bus, RedisStreamsBus)
+    relay = Relay(env.engine, bus, FAST, statuses=env.tables.mapping.statuses)
+    running(relay)
+    (name,) = _instances_by_partition(bus.partitions, 1)[1]
+    add_tasks(env, name, 2)
+    add_tasks(env, "other-" + name, 1)  # on some partition; its rows stay published unless it is partition 1
+    ids = outbox_event_ids(env)
+    assert Audit(env.open_bus(), "consumer").collect(ids) == ids
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == len(ids), 10, what="published")
+    stream = bus.keys.stream(1)
+    newest = bus.client.xrevrange(stream, count=1)[0][0]
+    epoch_before = bus.client.get(bus.keys.epoch(1))
+    assert bus.client.xdel(stream, newest) == 1  # what the failover lost
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_bus_resets_total") >= 1, 10, what="loss detection")
+    assert bus.client.get(bus.keys.epoch(1)) != epoch_before
+    from bridge.bus.base import partition_for
+
+    on_one = 2 + (1 if partition_for("other-" + name, bus.partitions) == 1 else 0)
+    assert relay.metrics.value("pollbridge_relay_republished_total") == on_one
+    wait_for(lambda: bus.client.xlen(stream) >= on_one + 1, 10, what="the partition republished")

@@ -32,6 +32,8 @@ class Env:
     kind: str
     namespace: str | None = None
     url: str = ""
+    #: The Redis (server or cluster node) URL of the bus, or None for the embedded bus.
+    bus_url: str | None = None
 
 
 @dataclass
