@@ -52,6 +52,7 @@ class LocalCluster:
     ports: list[int]
     workdir: Path
     processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _before: set[int] = field(default_factory=set)  # the primaries before the last kill
 
     @property
     def url(self) -> str:
@@ -104,6 +105,7 @@ class LocalCluster:
 
     def kill(self, port: int) -> None:
         """SIGKILL one node (no shutdown, nothing saved)."""
+        self._before = set(self.primaries())
         proc = self.processes[port]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -135,6 +137,21 @@ class LocalCluster:
             except redis.RedisError:
                 continue
         return []
+
+    def wait_failover(self, victim: int, timeout: float = 60.0) -> int:
+        """After :meth:`kill` of the primary ``victim``: until a replica took its slots over and the cluster is
+        ok again; the new primary's port."""
+        deadline = time.monotonic() + timeout
+        while True:
+            primaries = self.primaries()
+            if primaries and victim not in primaries and len(primaries) == PRIMARIES:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica took over from {victim} within {timeout:.0f} s ({primaries})")
+            time.sleep(0.1)
+        self.wait_ok(max(1.0, deadline - time.monotonic()))
+        (successor,) = set(self.primaries()) - set(primaries) or set(primaries) - set(self._before)
+        return successor
 
     def restart(self, port: int) -> None:
         """Start a killed node again: it rejoins (as a replica of whoever took its slots)."""
