@@ -42,9 +42,9 @@ class Backend:
     neighbour: Callable[[], EventBus] | None = None
     #: The names of everything of ``bus``'s installation still on the server (after a purge: nothing).
     leftovers: Callable[[EventBus], list[str]] | None = None
-    _closers: list[Callable[[], None]] = field(default_factory=list)
+    _closers: list[Callable[[], object]] = field(default_factory=list)
 
-    def track(self, closer: Callable[[], None]) -> None:
+    def track(self, closer: Callable[[], object]) -> None:
         self._closers.append(closer)
 
     def close(self) -> None:
@@ -54,7 +54,7 @@ class Backend:
 
 
 def embedded_backend(name: str, url: str, partitions: int) -> Backend:
-    closers: list[Callable[[], None]] = []
+    closers: list[Callable[[], object]] = []
 
     def make() -> EventBus:
         engine = create_engine(url)
@@ -83,7 +83,7 @@ def _embedded_raw_append(bus: EventBus, partition: int, payload: Payload, event_
 def redis_backend(name: str, url: str, namespace: str, partitions: int) -> Backend:
     """A Redis server or a Redis Cluster (the bus detects which from the URL's node); the namespace's keys are
     deleted afterwards."""
-    closers: list[Callable[[], None]] = [lambda: clear_redis_namespace(url, namespace)]
+    closers: list[Callable[[], object]] = [lambda: clear_redis_namespace(url, namespace)]
 
     def make(ns: str = namespace) -> EventBus:
         bus = RedisStreamsBus(url, partitions=partitions, namespace=ns)

@@ -58,7 +58,7 @@ class LocalCluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
-    def node(self, port: int) -> redis.Redis:
+    def node(self, port: int) -> redis.Redis[bytes]:
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2)
 
     def start_node(self, port: int) -> None:
@@ -153,6 +153,25 @@ class LocalCluster:
         (successor,) = set(self.primaries()) - set(primaries) or set(primaries) - set(self._before)
         return successor
 
+    def wait_synced(self, timeout: float = 30.0) -> None:
+        """Until every primary has a replica whose link to it is up (a failover then keeps its data)."""
+        deadline = time.monotonic() + timeout
+        while self.synced_replicas() < PRIMARIES:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replicas did not sync within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def synced_replicas(self) -> int:
+        synced = 0
+        for port in self.alive():
+            try:
+                info = self.node(port).info("replication")
+            except redis.RedisError:
+                continue
+            if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                synced += 1
+        return synced
+
     def restart(self, port: int) -> None:
         """Start a killed node again: it rejoins (as a replica of whoever took its slots)."""
         self.start_node(port)
@@ -167,12 +186,17 @@ class LocalCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_cluster() -> LocalCluster:
-    """Start 3 primaries and 3 replicas, join them and wait until the cluster is ok."""
+def new_cluster() -> LocalCluster:
+    """A cluster's ports and directory, nothing started yet (its :attr:`LocalCluster.url` is known already)."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise FileNotFoundError("redis-server and redis-cli")
-    cluster = LocalCluster(ports=[_free_port() for _ in range(2 * PRIMARIES)],
-                           workdir=Path(tempfile.mkdtemp(prefix="pb-redis-cluster-")))
+    return LocalCluster(ports=[_free_port() for _ in range(2 * PRIMARIES)],
+                        workdir=Path(tempfile.mkdtemp(prefix="pb-redis-cluster-")))
+
+
+def start_cluster(cluster: LocalCluster | None = None) -> LocalCluster:
+    """Start 3 primaries and 3 replicas, join them and wait until the cluster is ok and the replicas synced."""
+    cluster = cluster or new_cluster()
     try:
         for port in cluster.ports:
             cluster.start_node(port)
@@ -183,17 +207,7 @@ def start_cluster() -> LocalCluster:
         if made.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {(made.stderr or made.stdout).strip()[-500:]}")
         cluster.wait_ok()
-        # Replicas must have synced before a failover can keep anything.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            synced = 0
-            for port in cluster.ports:
-                info = cluster.node(port).info("replication")
-                if info.get("role") == "slave" and info.get("master_link_status") == "up":
-                    synced += 1
-            if synced == PRIMARIES:
-                break
-            time.sleep(0.1)
+        cluster.wait_synced()
     except BaseException:
         cluster.stop()
         raise

@@ -22,7 +22,17 @@ from bridge.flags.store import FlagStore
 from bridge.tasktable.tables import reflect_tables
 from tests.support.chaos.checks import LIVE_SQL, UNPUBLISHED_SQL, UNSETTLED_SQL, ChaosReport, check
 from tests.support.chaos.faults import KINDS, WEIGHTS, FaultInjector
-from tests.support.chaos.fleet import CONFIG, HARNESS_APP, NAMESPACE, PARTITIONS, ROLES, Fleet, PrivateRedis, tail
+from tests.support.chaos.fleet import (
+    CONFIG,
+    HARNESS_APP,
+    NAMESPACE,
+    PARTITIONS,
+    ROLES,
+    Fleet,
+    PrivateCluster,
+    PrivateRedis,
+    tail,
+)
 from tests.support.chaos.workload import Workload
 
 
@@ -40,6 +50,7 @@ class ChaosOptions:
     warmup: float = 3.0
     settle_timeout: float = 120.0
     retention: float = 3600.0         # the relay's retention window (bus-loss replay)
+    bus: str = "redis"                # or "redis-cluster": a private 3+3 cluster, its faults kill a primary
     progress_every: float = 30.0
     cli_signal_every: int = 12        # one signal in this many through `pollbridge signal`
     say: Callable[[str], None] = field(default=print)
@@ -59,7 +70,8 @@ class Chaos:
         self.notes: list[str] = []
         self.problems: list[str] = []
         self.load_samples: list[float] = []
-        self.redis = PrivateRedis(self.workdir)
+        self.redis: PrivateRedis | PrivateCluster = (
+            PrivateCluster(self.workdir) if opts.bus == "redis-cluster" else PrivateRedis(self.workdir))
 
     # --- output ------------------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -122,7 +134,7 @@ class Chaos:
             if workload is not None:
                 workload.stop.set()
             self.fleet.kill_all()
-            self.redis.kill()
+            self.redis.stop()
             if injector is not None and injector.long_txn is not None:
                 injector.long_txn.join(15)
             self.engine.dispose()

@@ -40,12 +40,14 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
+from bridge.bus.keys import BusKeys
 from tests.support.chaos.fleet import (
     HARNESS_APP,
     NAMESPACE,
     PARTITIONS,
     ROLES,
     Fleet,
+    PrivateCluster,
     PrivateRedis,
     classify_cli_failure,
 )
@@ -79,8 +81,8 @@ class FaultInjector:
     ``pg:terminate``); ``db_url`` is the database's URL without it.
     """
 
-    def __init__(self, *, rng: random.Random, db_url: str, engine: Engine, redis: PrivateRedis, fleet: Fleet,
-                 workload: Workload, say: Callable[[str], None], problems: list[str]) -> None:
+    def __init__(self, *, rng: random.Random, db_url: str, engine: Engine, redis: PrivateRedis | PrivateCluster,
+                 fleet: Fleet, workload: Workload, say: Callable[[str], None], problems: list[str]) -> None:
         self.rng = rng
         self.db_url = db_url
         self.engine = engine
@@ -153,6 +155,9 @@ class FaultInjector:
         self.redis.kill()
         self.data_losses.append(time.monotonic())
         self._later(downtime, self.redis.start)
+        if isinstance(self.redis, PrivateCluster):
+            return (f"a cluster primary ({self.redis.down[-1]}) SIGKILLed, its replica takes over; started again "
+                    f"(as a replica) in {downtime:.1f} s")
         return f"redis-server killed, started again empty in {downtime:.1f} s"
 
     def _terminate(self) -> str:
@@ -223,6 +228,7 @@ class FaultInjector:
             for fields in picked:
                 pipe.xadd(stream, fields)
             pipe.execute()
+            self._ring(client, [partition])
         finally:
             client.close()
         return f"{len(picked)} {'oldest' if stale else 'recent'} entries of partition {partition} added again, shuffled"
@@ -232,18 +238,21 @@ class FaultInjector:
         made: list[str] = []
         try:
             pipe = client.pipeline(transaction=False)
+            rung: list[int] = []
             for n in range(self.rng.randint(1, 4) + (2 if final else 0)):
                 marker = f"chaos-malformed-{uuid.uuid4().hex[:12]}"
                 partition = self.rng.randrange(PARTITIONS)
                 stream = f"{NAMESPACE}:events:{{{NAMESPACE}:p{partition}}}"
                 variant, fields = self._malformed_entry(marker, harmful=final and n < 2)
                 pipe.xadd(stream, fields)
+                rung.append(partition)
                 made.append(variant)
                 if variant in BENIGN:
                     self.benign.append(marker)
                 else:
                     self.malformed.append((marker, time.monotonic()))
             pipe.execute()
+            self._ring(client, rung)
         finally:
             client.close()
         if self.rng.random() < 0.3:  # and an outbox row the relay cannot turn into an event
@@ -255,6 +264,12 @@ class FaultInjector:
             self.outbox_garbage += 1
             made.append("unpublishable outbox row")
         return ", ".join(made)
+
+    def _ring(self, client: Any, partitions: list[int]) -> None:
+        """On a cluster, ring the bus's doorbell as a pollbridge publish does (its readers wait on it, not on the
+        streams: see bridge/bus/redis_streams.py); a single server's readers block on the streams themselves."""
+        if isinstance(self.redis, PrivateCluster) and partitions:
+            client.xadd(BusKeys(NAMESPACE).wake, {"p": ",".join(map(str, sorted(set(partitions))))})
 
     def _malformed_entry(self, marker: str, harmful: bool = False) -> tuple[str, dict[str, Any]]:
         instance = self.rng.choice(self.workload.instances) if self.workload.instances else "none"

@@ -186,9 +186,65 @@ class PrivateRedis:
                 self.proc.wait(10)
             self.proc = None
 
+    def stop(self) -> None:
+        self.kill()
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+class PrivateCluster:
+    """A private Redis Cluster of this run (3 primaries, 3 replicas; tests/support/redis_cluster.py) in the place of
+    :class:`PrivateRedis`: :meth:`kill` SIGKILLs one primary, whose replica takes over (what asynchronous
+    replication had not copied is lost); :meth:`start` brings the killed nodes back, as replicas. The URL's node
+    is never killed: a pollbridge process restarted meanwhile must reach the cluster through it."""
+
+    def __init__(self, workdir: Path) -> None:
+        from tests.support.redis_cluster import new_cluster
+
+        self.cluster = new_cluster()
+        self.down: list[int] = []
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    def client(self) -> Any:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+
+    def start(self) -> None:
+        from tests.support.redis_cluster import start_cluster
+
+        self.starts += 1
+        if not self.cluster.processes:
+            start_cluster(self.cluster)
+            return
+        for port in self.down:
+            self.cluster.restart(port)
+        self.down = []
+
+    def kill(self) -> None:
+        """SIGKILL a primary (not the URL's node) whose replica is in sync; RuntimeError when none is (a node
+        killed before has not finished coming back): killing then would take the cluster down, not fail over."""
+        if self.cluster.synced_replicas() < len(self.cluster.primaries()):
+            raise RuntimeError("a replica is still syncing: no failover possible yet")
+        victims = [p for p in self.cluster.primaries() if p != self.cluster.ports[0]]
+        if not victims:
+            raise RuntimeError("no primary to kill but the URL's node")
+        victim = victims[0]
+        self.cluster.kill(victim)
+        self.down.append(victim)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+    @property
+    def running(self) -> bool:
+        return not self.down
 
 
 class Fleet:
