@@ -1,4 +1,5 @@
-"""Opening a bus from its URL: ``embedded`` (a log in pollbridge's database) or ``redis://`` / ``rediss://``."""
+"""Opening a bus from its URL: ``embedded`` (a log in pollbridge's database), ``redis://`` / ``rediss://`` /
+``unix://`` (Redis Streams) or ``amqp://`` / ``amqps://`` (RabbitMQ streams)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def open_bus(url: str, *, engine: Engine | None = None, partitions: int = 8, nam
         from bridge.bus.embedded import EmbeddedBus
 
         return EmbeddedBus(engine, partitions=partitions, **options)
+    if bus_scheme(url) in ("amqp", "amqps"):
+        from bridge.bus.rabbitmq import RabbitMQBus
+
+        return RabbitMQBus(url, partitions=partitions, namespace=namespace, **options)
     from bridge.bus.redis_streams import RedisStreamsBus
 
     return RedisStreamsBus(url, partitions=partitions, namespace=namespace, **options)

@@ -13,7 +13,7 @@ from sqlalchemy.engine import URL
 
 from bridge.core.errors import ConfigError
 
-SUPPORTED_SCHEMES = ("embedded", "redis", "rediss", "unix")
+SUPPORTED_SCHEMES = ("embedded", "redis", "rediss", "unix", "amqp", "amqps")
 DEFAULT_NAMESPACE = "pollbridge"
 
 # Letters, digits, '_', '-', '.': no ':' (the key separator), no '{' '}' (cluster hash tags), no glob
@@ -49,7 +49,8 @@ def validate_bus_url(url: str) -> None:
     if scheme not in SUPPORTED_SCHEMES:
         raise ConfigError(
             f"unsupported bus URL {mask_url(url)!r}: scheme {scheme or '(none)'!r}; supported: "
-            "'embedded', redis://host:6379/0, rediss://host:6380/0 (TLS), unix:///path/redis.sock"
+            "'embedded', redis://host:6379/0, rediss://host:6380/0 (TLS), unix:///path/redis.sock, "
+            "amqp://user:password@host:5672/vhost (RabbitMQ), amqps://user:password@host:5671/vhost (TLS)"
         )
 
 
