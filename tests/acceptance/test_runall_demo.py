@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
-from tests.support import Run, wait_for
+from tests.support import Run, clear_redis_namespace, wait_for
 
 PHASES = ["polling", "dual_write", "selective", "cutover", "rollback"]
 
@@ -126,3 +127,23 @@ def test_demo_on_postgresql_and_redis(pollbridge: Run, pg_empty_url: str, redis_
     assert not summary["backend"]["bus_statements_counted"]  # Redis's commands are no database statements
     for p in summary["phases"]:
         assert p["idle_statements_per_s_by_table"]["events"]["bus"] == 0, p
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_demo_on_postgresql_and_a_redis_cluster(pollbridge: Run, pg_empty_url: str, redis_cluster: str,
+                                                tmp_path: Path) -> None:
+    """The whole walk polling → dual_write → selective → cutover with the bus on a 3+3 Redis Cluster (the URL of
+    one node: pollbridge finds the others)."""
+    namespace = f"pbtest-{uuid.uuid4().hex[:10]}"
+    (tmp_path / "pollbridge.toml").write_text(f'[bus]\nnamespace = "{namespace}"\n')
+    try:
+        result = pollbridge("demo", "--json", "--instances", "10", "--poll-interval", "0.3", timeout=300,
+                            env={"POLLBRIDGE_DATABASE_URL": pg_empty_url, "POLLBRIDGE_BUS_URL": redis_cluster})
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert [p["phase"] for p in summary["phases"]] == PHASES
+        assert (summary["lost"], summary["double_dispatched"], summary["early"]) == (0, 0, 0)
+        assert summary["backend"]["bus"] == "redis"
+    finally:
+        clear_redis_namespace(redis_cluster, namespace)

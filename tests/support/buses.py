@@ -99,11 +99,11 @@ def redis_backend(name: str, url: str, namespace: str, partitions: int) -> Backe
         assert isinstance(bus, RedisStreamsBus)
         return sorted(str(k) for k in bus.client.scan_iter(match=bus.keys.pattern))
 
-    return Backend(name=name, open=make, raw_append=_redis_raw_append, raw_extra=(None, b"\xff\xfe not utf-8"),
+    return Backend(name=name, open=make, raw_append=redis_raw_append, raw_extra=(None, b"\xff\xfe not utf-8"),
                    neighbour=neighbour, leftovers=leftovers, _closers=closers)
 
 
-def _redis_raw_append(bus: EventBus, partition: int, payload: Payload, event_id: str) -> None:
+def redis_raw_append(bus: EventBus, partition: int, payload: Payload, event_id: str) -> None:
     assert isinstance(bus, RedisStreamsBus)
     fields: dict[str, str | bytes] = {"id": event_id}
     if payload is not None:
