@@ -239,6 +239,9 @@ class RabbitMQBus(EventBus):
         if max_age is not None:
             self._stream_args["x-max-age"] = f"{max(1, int(max_age))}s"
         self._token = secrets.token_hex(6)
+        #: Shown by ``rabbitmqctl list_connections client_properties`` and the management UI: whose connection.
+        self.connection_name = f"pollbridge bus {namespace} {self._token}"
+        self._params.client_properties = {"connection_name": self.connection_name}
         self._mutex = threading.RLock()
         self._conn: Any = None
         self._ops: Any = None  # confirm mode: documents and markers
