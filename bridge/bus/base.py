@@ -60,6 +60,9 @@ The contract, for every implementation:
   leases: every key of the namespace, and nothing outside it) and returns how many keys (Redis) or rows
   (embedded) it removed; purging an empty bus returns 0. Afterwards the bus is as new: a consumer
   calls ``ensure_group`` again. ``pollbridge uninstall`` uses it.
+* **placement()** says where each partition lives when the bus spreads them over several servers (a Redis
+  Cluster: ``{partition: "host:port"}`` of the primary holding its slot, read from the cluster's slot map),
+  or ``None`` when the bus keeps every partition in one place. Read-only; ``status`` shows it.
 * **Partition leases beside the bus.** ``leases()`` returns a :class:`BusLeases` when the bus keeps
   the event scheduler's partition leases itself (atomic on its server, by its clock: Redis), or
   ``None`` (the embedded bus): the scheduler then keeps them in its database. The scheduler's
@@ -292,6 +295,10 @@ class EventBus(ABC):
     def purge_all(self) -> int:
         """Delete everything this bus holds (see the contract); how many keys or rows were removed."""
         raise NotImplementedError(f"{type(self).__name__} cannot be purged")
+
+    def placement(self) -> dict[int, str] | None:
+        """Where each partition lives, when the bus spreads them over servers (see the contract); ``None``."""
+        return None
 
     def leases(self) -> BusLeases | None:
         """The scheduler's partition leases kept beside this bus, or ``None``: keep them in the database."""

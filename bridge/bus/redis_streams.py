@@ -706,6 +706,18 @@ class RedisStreamsBus(EventBus):
                 out[ref.event_id] = EventDelivery(UNDELIVERED, p, entry)
         return out
 
+    def placement(self) -> dict[int, str] | None:
+        """On a cluster, the primary holding each partition's stream (its hash tag's slot), from the client's slot
+        map; ``None`` on a single server."""
+        if not self.cluster:
+            return None
+        client = self._client
+        out: dict[int, str] = {}
+        for p in range(self.partitions):
+            node = client.get_node_from_key(self.keys.stream(p))
+            out[p] = f"{node.host}:{node.port}" if node is not None else "?"
+        return out
+
     # ------------------------------------------------------------------ partition leases
 
     def leases(self) -> BusLeases:

@@ -230,6 +230,12 @@ def _print_status(s: Any, foreign: bool = False) -> None:
         parts = ", ".join(f"p{p}={n}" for p, n in sorted((b.lag_partitions or {}).items()))
         click.echo(f"bus {b.url} (group {b.group}): lag {b.lag} ({parts}); {b.pending} pending (delivered, not "
                    f"acknowledged); {b.dead_letters} dead letters")
+        if b.placement is not None:
+            nodes: dict[str, list[int]] = {}
+            for partition, node in sorted(b.placement.items()):
+                nodes.setdefault(node, []).append(partition)
+            click.echo(f"bus partitions on {len(nodes)} cluster node(s): " + "; ".join(
+                f"{node}: {', '.join(f'p{p}' for p in parts)}" for node, parts in sorted(nodes.items())))
     else:
         click.echo(f"bus {b.url} (group {b.group}): lag, pending and dead letters unknown: {b.reason}")
     demotions = sum(t.guardian_demotions for t in s.types)

@@ -101,12 +101,16 @@ class BusStatus:
     lag_partitions: dict[int, int] | None = None
     pending: int | None = None
     dead_letters: int | None = None
+    #: Where each partition lives when the bus spreads them over servers (a Redis Cluster), else None.
+    placement: dict[int, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "group": self.group, "state": self.state, "reason": self.reason, "lag": self.lag,
                 "lag_partitions": ({str(p): n for p, n in sorted(self.lag_partitions.items())}
                                    if self.lag_partitions is not None else None),
-                "pending": self.pending, "dead_letters": self.dead_letters}
+                "pending": self.pending, "dead_letters": self.dead_letters,
+                "placement": ({str(p): n for p, n in sorted(self.placement.items())}
+                              if self.placement is not None else None)}
 
 
 @dataclass(frozen=True)
@@ -254,9 +258,11 @@ def bus_status(bus: EventBus | None, label: str, group: str, bus_error: str | No
         lag = bus.lag(group)
         pending = bus.pending_count(group)
         dead = dead_letter_count(bus)
+        placement = bus.placement()
     except Exception as exc:  # unreachable, timeout, auth, missing tables: the figures are unknown, no failure
         return BusStatus(label, group, "unknown", f"bus {label} unreachable: {first_line(exc)}")
-    return BusStatus(label, group, "ok", f"bus {label} reachable", sum(lag.values()), dict(lag), pending, dead)
+    return BusStatus(label, group, "ok", f"bus {label} reachable", sum(lag.values()), dict(lag), pending, dead,
+                     placement)
 
 
 def dead_letter_count(bus: EventBus) -> int:
