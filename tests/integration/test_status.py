@@ -220,7 +220,9 @@ def test_json_has_the_documented_keys(engine: Engine) -> None:
     assert set(doc["types"][0]) == {"workflow_type", "phase", "percent", "flag_source", "dispatches",
                                     "fallback_misses", "decisions", "guardian_demotions", "review", "held_back"}
     assert set(doc["outbox"]) == {"backlog", "oldest_age_seconds", "dead_letters"}
-    assert set(doc["bus"]) == {"url", "group", "state", "reason", "lag", "lag_partitions", "pending", "dead_letters"}
+    assert set(doc["bus"]) == {"url", "group", "state", "reason", "lag", "lag_partitions", "pending", "dead_letters",
+                               "placement"}
+    assert doc["bus"]["placement"] is None  # one place: only a Redis Cluster spreads partitions
     assert doc["bus"]["lag_partitions"] == {"0": 0, "1": 0}
     assert set(doc["guardian"]) == {"demotions", "recent"}
     assert set(doc["flag_store"]) == {"up", "detail"}
