@@ -112,6 +112,8 @@ CACHE_ENTRIES = 5000
 #: Unacknowledged pushes per watch / fetch consumer (streams need a prefetch; acks give credit back).
 WATCH_PREFETCH = 2000
 FETCH_PREFETCH = 1000
+#: A read from behind the cache fetches this many entries at least and keeps them for the next reads.
+READ_AHEAD = 1000
 #: ``lag`` reads and counts up to this many entries exactly; beyond, the offset difference.
 LAG_EXACT = 10_000
 #: Looking an event up: entries read from just before its publish time (or from the floor).
@@ -185,6 +187,7 @@ class _Watch:
     tag: str | None = None  # the watch consumer, when attached
     seen_end: int = -1  # the highest offset pushed to us (every offset up to it exists); -1: none
     cache: deque[_Entry] = field(default_factory=lambda: deque(maxlen=CACHE_ENTRIES))
+    ahead: list[_Entry] = field(default_factory=list)  # the last fetch from behind the cache, contiguous
     pushes: int = 0
     own_seen: int = 0  # the newest of our own publishes seen on the watch
     marker: str | None = None  # the marker we wait for
@@ -421,6 +424,15 @@ class RabbitMQBus(EventBus):
         outstanding.difference_update(done)
         if isinstance(method, pika.spec.Basic.Nack):
             self._confirms["nacked"] += len(done)
+        if not outstanding:
+            self._wake()
+
+    def _wake(self) -> None:
+        """End the current ``process_data_events`` now. A confirm or a channel's close-ok is handled inside pika's
+        I/O without an event for the blocking connection to dispatch, so the wait would run to its time limit
+        (measured: every publish took the full 50 ms slice)."""
+        if self._conn is not None and self._conn.is_open:
+            self._conn.add_callback_threadsafe(_ignore)
 
     def _on_return(self, _ch: Any, method: Any, props: Any, body: bytes) -> None:
         self._returned.append((str(method.routing_key), props, body))
@@ -531,12 +543,18 @@ class RabbitMQBus(EventBus):
         w = self._watches.get(p)
         if w is not None and w.cache and w.cache[0].offset <= start:
             return _take(list(w.cache), start, stop, limit)
+        if w is not None and w.ahead and w.ahead[0].offset <= start:
+            got_ahead, last_ahead = _take(w.ahead, start, stop, limit)
+            if len(got_ahead) >= limit or w.ahead[-1].offset >= stop:
+                return got_ahead, last_ahead
+        want = max(limit, READ_AHEAD)
+        fetched: list[_Entry] = []
         got: list[_Entry] = []
         done = threading.Event()
         ch = self._connection().channel()
         last = start - 1
         try:
-            ch.basic_qos(prefetch_count=min(FETCH_PREFETCH, stop - start + 1))
+            ch.basic_qos(prefetch_count=min(FETCH_PREFETCH, stop - start + 1, want + 100))
             unacked = [0]
 
             def on_message(_c: Any, method: Any, props: Any, body: bytes) -> None:
@@ -553,9 +571,10 @@ class RabbitMQBus(EventBus):
                     return
                 last = offset
                 entry = _Entry(offset, headers, body)
+                fetched.append(entry)
                 if not entry.marker:
                     got.append(entry)
-                if len(got) >= limit or offset >= stop:
+                if len(got) >= want or offset >= stop:
                     done.set()
 
             try:
@@ -579,6 +598,10 @@ class RabbitMQBus(EventBus):
                     unacked[0] = 0
         finally:
             self._discard(ch)
+        if w is not None and self._watches.get(p) is w:
+            w.ahead = fetched
+        if len(got) > limit:  # read ahead: hand out ``limit``, keep the rest for the next reads
+            return _take(fetched, start, stop, limit)
         return got, last
 
     def _discard(self, ch: Any) -> None:
@@ -587,6 +610,7 @@ class RabbitMQBus(EventBus):
         (NOT_IMPLEMENTED). The underlying channel, once closing, drops such deliveries instead."""
         impl = ch._impl
         if impl.is_open:
+            impl.add_on_close_callback(lambda *_: self._wake())
             impl.close()
         deadline = time.monotonic() + self._wait_limit
         while not impl.is_closed and time.monotonic() < deadline:
@@ -621,8 +645,10 @@ class RabbitMQBus(EventBus):
             try:
                 yield docs
             except BaseException:
-                for tag in state_tags + dead_tags:
-                    ops.basic_nack(tag, requeue=True)
+                # Give the documents back unchanged; on a dead connection the broker already took them back.
+                with contextlib.suppress(*_CONNECTION_ERRORS):
+                    for tag in state_tags + dead_tags:
+                        ops.basic_nack(tag, requeue=True)
                 raise
             # The new versions first, then the old ones acknowledged: a crash in between leaves both, and the
             # next holder keeps the highest version.
@@ -700,7 +726,8 @@ class RabbitMQBus(EventBus):
     def _release_lock(self) -> None:
         ch = self._lock_ch
         if ch is not None and ch.is_open:
-            ch.basic_cancel(self._lock_tag)
+            with contextlib.suppress(*_CONNECTION_ERRORS):  # a dead connection released it already
+                ch.basic_cancel(self._lock_tag)
 
     def _remember(self, state: dict[str, Any]) -> None:
         self._floors = {int(p): int(o) for p, o in state.get("floors", {}).items()}
