@@ -51,6 +51,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.base import EventBus
 from bridge.capture.evidence import record_foreign_dispatches
+from bridge.capture.gaps import WAL_SLOT, record_gap_statement
 from bridge.capture.pgoutput import (
     UNCHANGED,
     Begin,
@@ -683,6 +684,11 @@ class WalCapture:
         self.flush()
         self.gaps += 1
         self.rederived += len(rows)
+        with self.engine.begin() as conn:  # for the reconciler, the gates and the guardian (bridge.capture.gaps)
+            conn.execute(record_gap_statement(
+                "postgresql", WAL_SLOT, len(rows),
+                f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
+                f"removed) and was recreated; the state of {len(rows)} unfinished task(s) was re-derived"))
         log.warning("replication slot %s was gone (dropped, or invalidated when the WAL it needed was removed): "
                     "recreated; changes between its loss and now were not streamed, so the state of %d unfinished "
                     "task(s) was re-derived from the table and published", self.slot, len(rows))

@@ -118,6 +118,9 @@ def _print_report(report: CheckReport) -> None:
         click.echo(f"lag: {report.lag} entries not yet delivered to group {report.group} (max_lag {s.max_lag})")
     click.echo(f"miss rate: over the last {s.window:g} s, judged from {s.min_tasks} dispatches "
                f"(max_miss_rate {s.max_miss_rate:.2%})")
+    for gap in report.capture_gaps:
+        click.echo(f"capture gap at {gap.detected_at:%Y-%m-%d %H:%M:%S} UTC ({gap.source}): {gap.detail} "
+                   "(reported, not demoted for; promotion gates refuse a window that holds it)")
     for verdict in report.verdicts:
         click.echo(f"{verdict.workflow_type} ({verdict.phase}):")
         for f in verdict.findings:

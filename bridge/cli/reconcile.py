@@ -25,7 +25,7 @@ from bridge.core.errors import ConfigError
 from bridge.db.clock import db_clock
 from bridge.db.engine import check_connection
 from bridge.flags.store import validate_type_name
-from bridge.reconcile.gate import FAIL, NO_EVIDENCE, require_known_types
+from bridge.reconcile.gate import FAIL, NO_EVIDENCE, gap_detail, require_known_types
 from bridge.reconcile.html import render_html
 from bridge.reconcile.report import PathShare, Report, TypeReport, build_report, duration_text, parse_when
 from bridge.tasktable.tables import reflect_tables
@@ -195,6 +195,8 @@ def _print_table(report: Report, console: Console) -> None:
                           highlight=False)
         if len(report.mismatches) > 20:
             console.print("  … (--format json lists them all)")
+    if report.capture_gaps:
+        console.print(f"capture gaps: {gap_detail(report.capture_gaps)}", markup=False, highlight=False)
     if report.control:
         console.print(f"verdict: {report.verdict} (control: this is the floor the event path is compared against; "
                       "the legacy poller is measured, not judged: no promotion gate applies)", markup=False,

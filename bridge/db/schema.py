@@ -119,6 +119,19 @@ capture_state = sa.Table(
     sa.Column("changed_at", sa.DateTime(timezone=True), nullable=True),
 )
 
+#: Changes the capture lost and could not replay (migration 0012): the write-ahead log's slot dropped or
+#: invalidated, the unfinished tasks re-derived from the table. The reconciler and the gates read it.
+capture_gaps = sa.Table(
+    "pollbridge_capture_gaps",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("detected_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("source", sa.String(32), nullable=False),  # 'wal_slot'
+    sa.Column("rederived", sa.Integer, nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Index("pollbridge_capture_gaps_at_idx", "detected_at"),
+)
+
 #: The embedded bus: an append-only log per partition, consumer-group offsets and pending entries
 #: (delivered, not acknowledged), with the same semantics as Redis Streams consumer groups.
 bus_log = sa.Table(

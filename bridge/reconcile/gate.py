@@ -34,6 +34,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from bridge.capture.gaps import CaptureGap
 from bridge.core.errors import FlagError
 from bridge.core.phases import Flag
 from bridge.core.settings import GateSettings
@@ -92,10 +93,11 @@ def threshold(flag: Flag, settings: GateSettings, name: str) -> float:
 
 
 def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSettings, *,
-          dispatched: int | None = None) -> tuple[Criterion, ...]:
+          dispatched: int | None = None, gaps: Sequence[CaptureGap] = ()) -> tuple[Criterion, ...]:
     """The evidence criteria of a gate (and of a reconcile report's verdict) for one type's counts (kind ->
     attempts). ``dispatched``: how many compared attempts some path dispatched, when known (only said in
-    the ``min_tasks`` detail; the criterion itself needs no more than the matched count)."""
+    the ``min_tasks`` detail; the criterion itself needs no more than the matched count). ``gaps``: the capture
+    gaps of the window (:mod:`bridge.capture.gaps`): a window with one is incomplete evidence."""
     missing = counts.get("missing", 0)
     late = counts.get("late", 0)
     held = counts.get("held", 0)
@@ -120,7 +122,18 @@ def judge(counts: dict[str, int], compared: int, flag: Flag, settings: GateSetti
         Criterion("miss_rate", upper < budget,
                   f"{missing} miss(es) in {compared}: upper {settings.confidence:.0%} bound {upper:.4%}, "
                   f"budget {budget:.4%}"),
+        Criterion("no_capture_gap", not gaps, gap_detail(gaps)),
     )
+
+
+def gap_detail(gaps: Sequence[CaptureGap]) -> str:
+    """What a ``no_capture_gap`` criterion says."""
+    if not gaps:
+        return "no capture gap in the window"
+    first = gaps[0]
+    return (f"{len(gaps)} capture gap(s) in the window (the first at {first.detected_at:%Y-%m-%d %H:%M:%S} UTC, "
+            f"{first.source}: {first.rederived} task(s) re-derived): changes were lost and re-derived, so the "
+            "window is incomplete evidence; judge a window that starts after the last gap")
 
 
 #: The criteria whose failure is a ``fail`` even without a dispatch observed: an unsafe action is evidence.

@@ -26,7 +26,7 @@ from bridge.core.phases import PHASES
 from bridge.core.settings import GateSettings
 from bridge.db.clock import as_utc
 from bridge.flags.store import FlagChange
-from bridge.reconcile.gate import FAIL, FLOOR, PASS
+from bridge.reconcile.gate import FAIL, FLOOR, PASS, gap_detail
 from bridge.reconcile.report import (
     HISTOGRAM_EDGES_MS,
     TIMELINE_BUCKETS,
@@ -88,6 +88,8 @@ def render_html(report: Report, *, gates: GateSettings | None = None,
         f"<p>Window {escape(window)} ({escape(_duration((report.until - report.since).total_seconds()))}). "
         f"Verdict: {_badge(report.verdict, report.verdict.upper())}</p>",
         f"<p class='note'>{escape(_judges_note(report, gates))}</p>",
+        *([f"<p class='gaps' data-capture-gaps='{len(report.capture_gaps)}'><b>Capture gaps:</b> "
+           f"{escape(gap_detail(report.capture_gaps))}.</p>"] if report.capture_gaps else []),
         _summary_table(report, gates, overrides),
         _floor_table(report, gates),
     ]

@@ -38,6 +38,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from bridge.capture.gaps import CaptureGap, gaps_between
 from bridge.core.phases import Flag
 from bridge.core.settings import GateSettings
 from bridge.db.clock import as_utc
@@ -182,6 +183,8 @@ class Report:
     flag_changes: tuple[FlagChange, ...]
     control: bool = False
     mismatches_truncated: bool = False
+    #: Changes the capture lost in the window and re-derived (bridge.capture.gaps): incomplete evidence.
+    capture_gaps: tuple[CaptureGap, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -205,6 +208,7 @@ class Report:
             "mismatches": [m.to_json() for m in self.mismatches],
             "mismatches_truncated": self.mismatches_truncated,
             "flag_changes": [c.to_json() for c in self.flag_changes],
+            "capture_gaps": [g.to_json() for g in self.capture_gaps],
         }
 
 
@@ -246,6 +250,7 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
         latency = latency_by_type(conn, kinds)
         step("mismatches")
         mismatches, truncated = _mismatches(conn, tt, kinds, types, settings, ends_now, control, mismatch_limit)
+        gaps = tuple(gaps_between(conn, since, until))
     names = sorted(set(counts) | ({*types} if types else set()))
     reports = []
     for name in names:
@@ -256,7 +261,7 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
         phases = _spans_in(spans, name, since, until)
         # The legacy poller (control) is never judged by the promotion gate: its report is a floor.
         judged = not control and any(s.phase != "polling" for s in phases)
-        criteria = judge(raw, compared, flag, settings, dispatched=dispatched) if judged else ()
+        criteria = judge(raw, compared, flag, settings, dispatched=dispatched, gaps=gaps) if judged else ()
         lat = latency.get(name, {})
         reports.append(TypeReport(name, phases[-1].phase if phases else flag.phase, phases, raw,
                                   lat, criteria,
@@ -266,7 +271,7 @@ def build_report(engine: Engine, tt: TaskTable, since: datetime, until: datetime
                                   path_share("events", grid.event_counts.get(name, {}), lat)))
     changes = tuple(c for c in store.history(limit=100_000)
                     if (not types or c.workflow_type in types) and since <= (as_utc(c.changed_at) or since) < until)
-    return Report(since, until, tuple(reports), tuple(mismatches), changes, control, truncated)
+    return Report(since, until, tuple(reports), tuple(mismatches), changes, control, truncated, gaps)
 
 
 @dataclass

@@ -71,6 +71,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.bus.base import EventBus
+from bridge.capture.gaps import CaptureGap, gaps_after, gaps_between, last_gap_id
 from bridge.capture.outbox import read_backlog
 from bridge.capture.wal import publication_exists, slot_state
 from bridge.core.errors import PollbridgeError, first_line
@@ -168,6 +169,8 @@ class CheckReport:
     verdicts: list[TypeVerdict] = field(default_factory=list)
     unguarded: dict[str, str] = field(default_factory=dict)  # type -> phase
     dry_run: bool = False
+    #: Capture gaps recorded since the previous check (the first check: over the last ``window``).
+    capture_gaps: tuple[CaptureGap, ...] = ()
 
     @property
     def demoted(self) -> list[str]:
@@ -193,6 +196,7 @@ class CheckReport:
             "unguarded": [{"workflow_type": name, "phase": phase} for name, phase in sorted(self.unguarded.items())],
             "would_demote": self.would_demote,
             "demoted": self.demoted,
+            "capture_gaps": [g.to_json() for g in self.capture_gaps],
         }
 
 
@@ -230,6 +234,9 @@ class Guardian:
         self._checks = Counter("pollbridge_guardian_checks", "Guardian checks run", registry=r)
         self._errors = Counter("pollbridge_guardian_errors", "Guardian checks that failed", registry=r)
         self._miss_labels: set[str] = set()
+        self._gaps = Counter("pollbridge_guardian_capture_gaps", "Capture gaps (changes lost and re-derived from the "
+                             "table) the guardian found recorded", registry=r)
+        self._last_gap: int | None = None  # the newest capture gap reported (None: not looked yet)
 
     # --- measuring -----------------------------------------------------------------------------------
     def outbox_age(self) -> tuple[int, float, datetime]:
@@ -303,7 +310,8 @@ class Guardian:
         lag = sum(partitions.values()) if partitions is not None else None
         self._lag.set(math.nan if lag is None else lag)
         self._note_lag_state(lag is not None, lag_detail)
-        report = CheckReport(now, unpublished, age, lag, partitions, lag_detail, self.group, s, dry_run=not act)
+        report = CheckReport(now, unpublished, age, lag, partitions, lag_detail, self.group, s, dry_run=not act,
+                             capture_gaps=self._new_gaps(now))
 
         guarded = {name: f for name, f in sorted(flags.items()) if f.phase in GUARDED}
         report.unguarded = {name: f.phase for name, f in sorted(flags.items()) if f.phase not in GUARDED}
@@ -333,6 +341,26 @@ class Guardian:
         if failures:
             raise GuardianError("guardian could not demote " + "; ".join(failures))
         return report
+
+    def _new_gaps(self, now: datetime) -> tuple[CaptureGap, ...]:
+        """Capture gaps recorded since the last check (the first: those of the last ``window``), each logged.
+        Reported, not demoted for: the capture re-derived and published every unfinished task, and the poller's
+        sweep covers what the event path still misses (see bridge.capture.gaps); the gates refuse the window."""
+        with self._reader.connect() as conn:
+            if self._last_gap is None:
+                gaps = gaps_between(conn, now - timedelta(seconds=self.settings.window), now)
+            else:
+                gaps = gaps_after(conn, self._last_gap)
+        if gaps:
+            self._last_gap = max(g.id for g in gaps)
+        elif self._last_gap is None:
+            with self._reader.connect() as conn:
+                self._last_gap = last_gap_id(conn)
+        for gap in gaps:
+            self._gaps.inc()
+            log.warning("capture gap at %s (%s): %s; promotion gates refuse windows that hold it",
+                        gap.detected_at.isoformat(), gap.source, gap.detail)
+        return tuple(gaps)
 
     def _slot_down(self) -> float:
         """Seconds the write-ahead-log capture's slot has been without a reader or missing, as seen by this

@@ -29,6 +29,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from bridge.capture.gaps import gaps_between
 from bridge.capture.wal import capture_state
 from bridge.core.errors import FlagError, GateRefused
 from bridge.core.phases import PHASES, Flag, Phase
@@ -86,7 +87,9 @@ def evaluate_gate(engine: Engine, tt: TaskTable, flag: Flag, target: Phase, sett
                            tolerance=threshold(flag, settings, "tolerance")).get(name)
     raw = dict(counts.counts) if counts is not None else {}
     compared = counts.compared if counts is not None else 0
-    criteria = judge(raw, compared, flag, settings)
+    with read_only(engine).connect() as conn:
+        gaps = gaps_between(conn, since, until)
+    criteria = judge(raw, compared, flag, settings, gaps=gaps)
     return GateResult(name, target, criteria, {**raw, "compared": compared}, since, until)
 
 

@@ -207,7 +207,8 @@ def test_refused_gate_exits_1_and_prints_the_failed_criteria(pollbridge: Run, en
     gate = payload["gate"]
     assert (gate["workflow_type"], gate["target"], gate["passed"]) == ("orders", "selective", False)
     assert {c["name"]: c["passed"] for c in gate["criteria"]} == {
-        "min_tasks": False, "no_early": True, "no_duplicate": True, "miss_rate": False}
+        "min_tasks": False, "no_early": True, "no_duplicate": True, "miss_rate": False,
+        "no_capture_gap": True}
     assert _state(engine) == before
 
 

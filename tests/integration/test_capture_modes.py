@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from bridge.app import install
 from bridge.bus import open_bus
 from bridge.capture import wal
+from bridge.capture.gaps import WAL_SLOT, gaps_after
 from bridge.capture.queries import widened_xid_sql
 from bridge.capture.triggers import installed_triggers
 from bridge.capture.wal import WalCapture, capture_state, slot_state
@@ -421,6 +422,10 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Ca
                                  .where(outbox.c.instance_id == "m8", outbox.c.new_status == "queued")).all()
     assert [tuple(r) for r in rederived] == [("open", "status", None, "queued", True)]
     assert capture.rederived >= 1
+    # Recorded for the reconciler, the gates and the guardian (bridge.capture.gaps).
+    with walcap.engine.connect() as conn:
+        (gap,) = gaps_after(conn, 0)
+    assert gap.source == WAL_SLOT and gap.rederived == capture.rederived and slot in gap.detail
 
 
 @pytest.mark.postgres

@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from bridge.capture.gaps import WAL_SLOT, record_gap_statement
 from bridge.capture.triggers import install_capture, remove_capture
 from bridge.core.errors import FlagError, GateRefused
 from bridge.core.settings import GateSettings
@@ -38,7 +39,7 @@ from tests.support import SHARED_DB_PARAMS, shared_engine
 #: 1 miss in 21 (20.7%) does not.
 THRESHOLDS = {"min_tasks": 20, "miss_budget": 0.15}
 GATES = GateSettings()  # the defaults (min_tasks 1000): the flag's thresholds must override them
-CRITERIA = ["min_tasks", "no_early", "no_duplicate", "miss_rate"]
+CRITERIA = ["min_tasks", "no_early", "no_duplicate", "miss_rate", "no_capture_gap"]
 
 
 @pytest.fixture(params=SHARED_DB_PARAMS)
@@ -176,6 +177,22 @@ def test_gate_refuses_few_samples_passes_clean_refuses_after_a_miss(engine: Engi
     assert (gate.counts["compared"], gate.counts["missing"]) == (21, 1)
     detail = next(c.detail for c in gate.criteria if c.name == "miss_rate")
     assert "1 miss(es) in 21" in detail
+
+
+def test_a_capture_gap_in_the_window_refuses_a_gate_that_would_pass(engine: Engine, tables: TaskTable,
+                                                                     store: FlagStore) -> None:
+    """Clean evidence passes; a capture gap recorded in the window (the WAL slot lost, tasks re-derived) makes the
+    window incomplete evidence: the gate refuses on ``no_capture_gap`` alone, and says when and what."""
+    store.change("orders", "dual_write", actor="op", reason="shadow", thresholds=THRESHOLDS)
+    _shadowed(engine, tables, "orders", _ids("clean", 20))
+    _settle()
+    assert evaluate_gate(engine, tables, store.get("orders"), "selective", GATES).passed
+    with engine.begin() as conn:
+        conn.execute(record_gap_statement(engine.dialect.name, WAL_SLOT, 7, "slot pollbridge_x was gone"))
+    gate = _refused(engine, tables, store, "selective", percent=10)
+    assert _failed(gate) == {"no_capture_gap"}
+    detail = next(c.detail for c in gate.criteria if c.name == "no_capture_gap")
+    assert "1 capture gap(s)" in detail and "7 task(s) re-derived" in detail and WAL_SLOT in detail
 
 
 def test_passing_gate_is_recorded_in_the_audit_row(engine: Engine, tables: TaskTable, store: FlagStore) -> None:

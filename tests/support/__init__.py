@@ -78,7 +78,7 @@ LEASE_STORE_PARAMS = [*SHARED_DB_PARAMS, pytest.param("redis", marks=[pytest.mar
 #: What ``shared_engine`` empties, the outbox last: deleting tasks fires the capture trigger.
 SHARED_DB_RESET = ("tasks", "workflow_instances", "pollbridge_dispatch_log", "pollbridge_decisions",
                    "pollbridge_flags", "pollbridge_flag_audit", "pollbridge_holds", "pollbridge_review",
-                   "pollbridge_outbox")
+                   "pollbridge_outbox", "pollbridge_capture_gaps")
 
 
 def reset_shared(engine: Engine) -> Engine:

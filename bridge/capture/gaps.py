@@ -1,0 +1,71 @@
+"""Capture gaps: changes the capture lost and could not replay, recorded for the reconciler, the gates and the
+guardian (``pollbridge_capture_gaps``, migration 0012).
+
+A gap is recorded when the write-ahead log's replication slot was dropped or invalidated (the WAL it needed was
+removed): what changed between its loss and its re-creation is in no log, so the capture re-derived the state
+of every unfinished task from the table and published it (:meth:`bridge.capture.wal.WalCapture.recover_slot`).
+The event path then evaluates those instances again, but the window around the gap is incomplete evidence:
+an event-path decision may be late or missing for a reason that is not the event path's. So a reconcile
+report lists the gaps of its window and its verdict and every promotion gate refuse to pass on a window that
+holds one (criterion ``no_capture_gap``), and the guardian reports each new gap (it does not demote: the
+re-derivation already published every unfinished task, and in ``selective`` and ``cutover`` the poller's
+sweep still covers a task the event path did not dispatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from bridge.db.clock import as_utc
+from bridge.db.engine import db_now
+from bridge.db.schema import capture_gaps
+
+#: The one source today: the write-ahead log's replication slot was lost.
+WAL_SLOT = "wal_slot"
+
+
+@dataclass(frozen=True)
+class CaptureGap:
+    id: int
+    detected_at: datetime
+    source: str
+    rederived: int
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "detected_at": self.detected_at.isoformat(), "source": self.source,
+                "rederived": self.rederived, "detail": self.detail}
+
+
+def record_gap_statement(dialect_name: str, source: str, rederived: int, detail: str) -> sa.Insert:
+    """A gap detected now (the database clock)."""
+    return capture_gaps.insert().values(detected_at=db_now(dialect_name), source=source, rederived=rederived,
+                                        detail=detail)
+
+
+def gaps_between(conn: Connection, since: datetime, until: datetime) -> list[CaptureGap]:
+    """The gaps detected in ``[since, until)`` (a report's window), oldest first."""
+    c = capture_gaps.c
+    if conn.dialect.name == "sqlite":  # naive UTC there, as db_now writes it
+        since, until = since.replace(tzinfo=None), until.replace(tzinfo=None)
+    rows = conn.execute(sa.select(capture_gaps).where(c.detected_at >= since, c.detected_at < until)
+                        .order_by(c.detected_at, c.id)).all()
+    return [CaptureGap(int(r.id), as_utc(r.detected_at) or r.detected_at, str(r.source), int(r.rederived),
+                       str(r.detail)) for r in rows]
+
+
+def gaps_after(conn: Connection, after_id: int) -> list[CaptureGap]:
+    """The gaps recorded after id ``after_id`` (what a guardian has not reported yet), oldest first."""
+    c = capture_gaps.c
+    rows = conn.execute(sa.select(capture_gaps).where(c.id > after_id).order_by(c.id)).all()
+    return [CaptureGap(int(r.id), as_utc(r.detected_at) or r.detected_at, str(r.source), int(r.rederived),
+                       str(r.detail)) for r in rows]
+
+
+def last_gap_id(conn: Connection) -> int:
+    return int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(capture_gaps.c.id), 0))).scalar_one())
