@@ -32,7 +32,7 @@ import pytest
 
 RUNBOOK_DIR = Path(__file__).resolve().parents[2] / "runbooks"
 RUNBOOKS = ("00-overview", "01-install-alongside", "02-dual-write", "03-selective", "04-cutover", "05-rollback",
-            "06-incidents")
+            "06-incidents", "07-scale-out")
 FIELDS = ("Intent", "Command", "Expected", "Gate", "Undo")
 #: Commands a runbook may show that are not ``pollbridge`` (the walk does not run them; the reason is the value).
 EXTERNAL = {"python -m bench.capture": "a benchmark on a scratch database, from a source checkout (needs pgbench)"}
