@@ -64,6 +64,7 @@ Why this shape, and how each clause of the contract in :mod:`bridge.bus.base` ma
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import random
@@ -259,6 +260,11 @@ class RabbitMQBus(EventBus):
         self._returned: list[tuple[str, Any, bytes]] = []
         self._floors: dict[int, int] | None = None
         self._next_seen: dict[str, dict[int, int]] = {}  # group -> partition -> next offset, as last seen
+        self._epochs_seen: dict[int, str] = {}  # partition -> its epoch token, as last seen in the state document
+        #: Partitions whose stream this object saw vanish (its watch cancelled, a publish returned): partition ->
+        #: the epoch token it knew then. The next locked step renews that epoch unless someone already did.
+        self._vanished: dict[int, str | None] = {}
+        self._tail_epochs: dict[int, str] = {}  # partition -> its epoch when this object last tailed
         self._rotation = 0
         self._closed = False
         self._watch_unacked = 0
@@ -282,15 +288,18 @@ class RabbitMQBus(EventBus):
         return self._conn
 
     def _reset_connection(self) -> None:
-        """Forget the channels and consumers of a dead connection; watches re-attach after what they saw."""
+        """Forget the channels and consumers of a dead connection. The watches start afresh (at the stream's end,
+        with a marker): the broker may have come back with a stream shorter than what they saw (its data wiped),
+        and a watch re-attached after its last offset would wait there and never see the new entries."""
         conn, self._conn = self._conn, None
         self._ops = self._pub = self._watch_ch = self._lock_ch = None
         self._watch_unacked = 0
         self._by_tag.clear()
         self._confirms.clear()
         self._returned.clear()
-        for w in self._watches.values():
-            w.tag = None
+        self._watches.clear()
+        self._declared.clear()
+        self._floors = None
         if conn is not None:
             with contextlib.suppress(Exception):  # it is already broken
                 conn.close()
@@ -390,8 +399,11 @@ class RabbitMQBus(EventBus):
                 return
             # The stream vanished (the broker lost it, or a purge): declare it again and send those again.
             for name, _, _ in returned:
+                p = int(name.rsplit(".p", 1)[1])
+                if name in self._declared:  # it existed for us: deleted since (its entries are gone)
+                    self._note_vanished(p)
                 self._declared.discard(name)
-                self._declare_stream(int(name.rsplit(".p", 1)[1]))
+                self._declare_stream(p)
             todo = returned
         raise RuntimeError(f"bus {self._display}: {len(todo)} events kept coming back unroutable")
 
@@ -467,13 +479,20 @@ class RabbitMQBus(EventBus):
         """The broker cancelled a watch: its stream was deleted. Whatever we knew of it is void."""
         p = self._by_tag.pop(str(frame.method.consumer_tag), None)
         if p is not None:
-            self._forget_partition(p)
+            self._forget_partition(p, vanished=True)
 
-    def _forget_partition(self, p: int) -> None:
-        self._watches.pop(p, None)
+    def _forget_partition(self, p: int, vanished: bool = False) -> None:
+        """Forget what we knew of a partition's stream; ``vanished``: it existed and is gone (deleted, or shorter
+        than what we saw), so its entries are lost: noted for its epoch."""
+        w = self._watches.pop(p, None)
+        if vanished and w is not None and w.seen_end >= 0:
+            self._note_vanished(p)
         self._declared.discard(self.names.stream(p))
         self._floors = None
         self._next_seen.clear()
+
+    def _note_vanished(self, p: int) -> None:
+        self._vanished.setdefault(p, self._epochs_seen.get(p))
 
     def _sync(self, parts: Sequence[int], create: bool) -> list[int]:
         """Make the watches of ``parts`` current: attached, and past our own publishes. The partitions whose
@@ -503,7 +522,7 @@ class RabbitMQBus(EventBus):
             except amqp_errors.ChannelClosedByBroker as exc:
                 self._watch_ch = None
                 if exc.reply_code == 404:
-                    self._forget_partition(p)
+                    self._forget_partition(p, vanished=True)
                     continue
                 raise
             w.tag = tag
@@ -516,7 +535,7 @@ class RabbitMQBus(EventBus):
                 ops.basic_publish("", self.names.stream(p), b"", pika.BasicProperties(
                     headers={HEADER_MARKER: w.marker}, delivery_mode=2), mandatory=True)
             except amqp_errors.UnroutableError:
-                self._forget_partition(p)
+                self._forget_partition(p, vanished=True)
         deadline = time.monotonic() + self._wait_limit
 
         def behind() -> list[int]:
@@ -590,7 +609,7 @@ class RabbitMQBus(EventBus):
                     # Offsets we saw exist no more: the stream was recreated. Start afresh.
                     log.warning("bus %s: %s ends before offset %d; forgetting what was known of it",
                                 self._display, self.names.stream(p), stop)
-                    self._forget_partition(p)
+                    self._forget_partition(p, vanished=True)
                     break
                 self._pump(_SLICE_S)
                 if unacked[0]:
@@ -733,6 +752,92 @@ class RabbitMQBus(EventBus):
         self._floors = {int(p): int(o) for p, o in state.get("floors", {}).items()}
         self._next_seen = {g: {int(p): int(o) for p, o in info.get("next", {}).items()}
                            for g, info in state.get("groups", {}).items()}
+        self._epochs_seen = _epoch_map(state, self.partitions)
+
+    # ------------------------------------------------------------------ a partition's stream that went back
+
+    def _marks(self, state: dict[str, Any], p: int) -> int:
+        """How many offsets of partition ``p`` the state document knows to exist: the end recorded, the floor,
+        every group's next offset and every pending entry."""
+        key = str(p)
+        marks = max(int(state.get("ends", {}).get(key, 0)), int(state.get("floors", {}).get(key, 0)))
+        for info in state.get("groups", {}).values():
+            marks = max(marks, int(info["next"].get(key, 0)))
+            pend = info["pending"].get(key)
+            if pend:
+                marks = max(marks, max(int(o) for o in pend) + 1)
+        return marks
+
+    def _resync(self, p: int) -> None:
+        """Make the watch of ``p`` know the stream's end as of now: a marker published and awaited (our watch may
+        not have had the pushes of what another process published and a third one already read)."""
+        w = self._watches.get(p)
+        if w is None or w.tag is None:
+            return
+        w.marker = secrets.token_hex(8)
+        w.marker_covers = self._published.get(p, 0)
+        try:
+            self._channel("_ops").basic_publish("", self.names.stream(p), b"", pika.BasicProperties(
+                headers={HEADER_MARKER: w.marker}, delivery_mode=2), mandatory=True)
+        except amqp_errors.UnroutableError:
+            self._forget_partition(p, vanished=True)
+            return
+        deadline = time.monotonic() + self._wait_limit
+        while p in self._watches and self._watches[p].marker is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bus {self._display}: partition {p}'s marker did not arrive within "
+                                   f"{self._wait_limit:.0f} s")
+            self._pump(_SLICE_S)
+
+    def _check_partitions(self, docs: _Docs, live: Sequence[int]) -> list[int]:
+        """Under the lock: find the partitions of ``live`` (watched, synced) whose stream went back (this object saw
+        it vanish, or the document knows of offsets beyond its end: it was deleted and made again) and recover
+        them: a new epoch token for the partition (the relay republishes its retained rows), every group's offset
+        and the floor back to the new stream's start, their pending entries there dropped. Records how far each
+        stream is known to reach. The partitions recovered."""
+        state = docs.state
+        if state is None:
+            return []
+        epochs = state.setdefault("epochs", {})
+        ends = state.setdefault("ends", {})
+        recovered: list[int] = []
+        for p in range(self.partitions):
+            known = self._vanished.get(p, "")
+            if p not in self._vanished:
+                continue
+            current = epochs.get(str(p), state.get("epoch"))
+            if known is not None and known != current:
+                del self._vanished[p]  # renewed by someone else since we knew it: that renewal covers ours
+        for p in live:
+            w = self._watches.get(p)
+            if w is None or w.tag is None:
+                continue
+            marks = self._marks(state, p)
+            went_back = p in self._vanished
+            if not went_back and marks > w.seen_end + 1:
+                self._resync(p)  # our watch may only be behind: ask the stream where it ends now
+                w = self._watches.get(p)
+                if w is None:
+                    continue
+                went_back = marks > w.seen_end + 1
+            end = w.seen_end + 1
+            if went_back:
+                self._vanished.pop(p, None)
+                log.warning("bus %s: %s went back (known to %d offsets, now %d): its entries were lost; new "
+                            "epoch for partition %d, consumer groups restart at its beginning", self._display,
+                            self.names.stream(p), marks, end, p)
+                epochs[str(p)] = secrets.token_hex(16)
+                ends[str(p)] = end
+                state.setdefault("floors", {}).pop(str(p), None)
+                for info in state.get("groups", {}).values():
+                    info["next"][str(p)] = 0
+                    info["pending"].pop(str(p), None)
+                docs.state_changed = True
+                recovered.append(p)
+            elif end > int(ends.get(str(p), 0)):
+                ends[str(p)] = end
+                docs.state_changed = True
+        return recovered
 
     def _group(self, docs: _Docs, group: str) -> dict[str, Any]:
         """The group's state, created (at the floors: the beginning of what is retained) when missing."""
@@ -785,6 +890,7 @@ class RabbitMQBus(EventBus):
         live = self._sync(parts, create=True) if parts else []
         out: list[Delivery] = []
         with self._documents(create=True) as docs:
+            self._check_partitions(docs, live)
             info = self._group(docs, group)
             if acks:
                 docs.state_changed |= _remove_pending(info, acks)
@@ -860,7 +966,9 @@ class RabbitMQBus(EventBus):
 
         def run() -> list[Delivery]:
             out: list[Delivery] = []
+            watched = self._sync(parts, create=False)
             with self._documents(create=False) as docs:
+                self._check_partitions(docs, watched)
                 if docs.state is None or group not in docs.state.get("groups", {}):
                     return []
                 info = docs.state["groups"][group]
@@ -909,11 +1017,12 @@ class RabbitMQBus(EventBus):
 
     def lag(self, group: str) -> dict[int, int]:
         def run() -> dict[int, int]:
+            live = set(self._sync(range(self.partitions), create=False))
             with self._documents(create=False) as docs:
+                self._check_partitions(docs, sorted(live))
                 state = docs.state or {}
             floors = state.get("floors", {})
             nxt = state.get("groups", {}).get(group, {}).get("next", {})
-            live = set(self._sync(range(self.partitions), create=False))
             lags: dict[int, int] = {}
             for p in range(self.partitions):
                 if p not in live:
@@ -1027,12 +1136,24 @@ class RabbitMQBus(EventBus):
         return cast(int, self._call(run))
 
     def epoch(self) -> str:
-        def run() -> str:
+        """One token over every partition's: the state document's epoch while no partition lost its stream alone."""
+        epochs = self.epochs()
+        tokens = set(epochs.values())
+        if len(tokens) == 1:
+            return tokens.pop()
+        return hashlib.sha256(" ".join(epochs[p] for p in sorted(epochs)).encode()).hexdigest()[:32]
+
+    def epochs(self) -> dict[int, str]:
+        """Per partition, its epoch token. Every stream is watched (declared when missing, as a publish would) and
+        compared with what the state document knows of it: a stream that went back gets a new token (above)."""
+        def run() -> dict[int, str]:
+            live = self._sync(range(self.partitions), create=True)
             with self._documents(create=True) as docs:
                 assert docs.state is not None
-                return str(docs.state["epoch"])
+                self._check_partitions(docs, live)
+                return _epoch_map(docs.state, self.partitions)
 
-        return cast(str, self._call(run))
+        return cast(dict[int, str], self._call(run))
 
     def purge_all(self) -> int:
         """Delete every stream, document and the lock queue of the namespace; how many existed."""
@@ -1050,6 +1171,7 @@ class RabbitMQBus(EventBus):
             for p in list(self._watches):
                 self._forget_partition(p)
             self._declared.clear()
+            self._vanished.clear()
             return removed
 
         return cast(int, self._call(run))
@@ -1058,6 +1180,12 @@ class RabbitMQBus(EventBus):
         with self._mutex:
             self._closed = True
             conn, self._conn = self._conn, None
+            watch, self._watch_ch = self._watch_ch, None
+            if watch is not None and watch.is_open:
+                # Not pika's close: it would reject the pushes in flight, and a stream answers a reject by
+                # closing the connection (see _discard).
+                with contextlib.suppress(Exception):
+                    watch._impl.close()
             if conn is not None and conn.is_open:
                 with contextlib.suppress(Exception):  # closing a broken connection
                     conn.close()
@@ -1114,10 +1242,25 @@ class RabbitMQBus(EventBus):
         def run() -> list[Delivery]:
             while True:
                 live = set(self._sync(parts, create=False))
-                if self._floors is None and live:
+                beyond = [p for p in sorted(live) if positions[p] > self._end(p) + 1]
+                for p in beyond:
+                    self._resync(p)  # our watch may only be behind
+                beyond = [p for p in beyond if p in self._watches and positions[p] > self._end(p) + 1]
+                if (self._floors is None and live) or beyond or self._vanished:
                     with self._documents(create=False) as docs:
+                        self._check_partitions(docs, sorted(live))
                         self._floors = {int(p): int(o) for p, o in (docs.state or {}).get("floors", {}).items()}
+                    if docs.state is not None:
+                        epochs = _epoch_map(docs.state, self.partitions)
+                        # A partition whose epoch changed since this object last tailed it: positions are of the
+                        # lost stream.
+                        beyond += [p for p in parts if p not in beyond and self._tail_epochs.get(p, epochs[p])
+                                   != epochs[p]]
+                        self._tail_epochs = epochs
                 floors = self._floors or {}
+                for p in beyond:
+                    # The stream went back (deleted and made again): what it holds now is all new.
+                    positions[p] = floors.get(p, 0)
                 out: list[Delivery] = []
                 for p in parts:
                     if p not in live:
@@ -1224,7 +1367,14 @@ def _ignore(*_args: Any) -> None:
 
 
 def _new_state() -> dict[str, Any]:
-    return {"v": 0, "epoch": secrets.token_hex(16), "floors": {}, "groups": {}}
+    return {"v": 0, "epoch": secrets.token_hex(16), "epochs": {}, "ends": {}, "floors": {}, "groups": {}}
+
+
+def _epoch_map(state: Mapping[str, Any], partitions: int) -> dict[int, str]:
+    """Each partition's epoch token: its own once its stream went back, else the document's (a document made
+    before tokens per partition existed has only that one)."""
+    own = state.get("epochs", {})
+    return {p: str(own.get(str(p), state.get("epoch", ""))) for p in range(partitions)}
 
 
 def _remove_pending(info: dict[str, Any], deliveries: Sequence[Delivery]) -> bool:

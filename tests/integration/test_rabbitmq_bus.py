@@ -273,3 +273,76 @@ def test_sync_markers_are_never_delivered_tailed_counted_or_trimmed_as_entries(b
     bus.ack("g", got)
     assert bus.trim(0.0) == 3
     assert bus.read("late", "c", ALL, 10, 0) == []
+
+
+# ---------------------------------------------------------------------------------------------- one stream lost
+
+def _delete_stream(url: str, name: str) -> None:
+    """One partition's stream gone while the state document survives (AMQP ``queue.delete``, as an operator or a
+    lost stream member would leave it)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        conn.channel().queue_delete(name)
+    finally:
+        conn.close()
+
+
+def test_one_streams_loss_renews_only_its_epoch_and_its_groups_restart_at_the_new_stream(
+        bus: RabbitMQBus, server: str, namespace: str) -> None:
+    bus.ensure_group("g")
+    key = "inst-lost"
+    p = partition_for(key, P)
+    bus.publish([_event(key, i) for i in range(5)] + [_event(f"inst-{i}", i) for i in range(8)])
+    bus.ack("g", _read_n(bus, "g", "c", 13))
+    before = bus.epochs()
+    assert len(set(before.values())) == 1
+    tailer = RabbitMQBus(server, partitions=P, namespace=namespace)  # as ``serve`` tails: positions of its own
+    at = tailer.end_positions([p])[p]
+    assert tailer.tail({p: at}, 10, 0) == []
+    _delete_stream(server, bus.names.stream(p))
+
+    # Another process, with no memory of the stream: the state document knows of offsets beyond its end.
+    other = RabbitMQBus(server, partitions=P, namespace=namespace)
+    try:
+        after = other.epochs()
+        assert after[p] != before[p]
+        assert {q: t for q, t in after.items() if q != p} == {q: t for q, t in before.items() if q != p}
+        assert other.epochs() == after  # found once
+        assert bus.epochs() == after  # bus saw its watch cancelled: the renewal above covers it, no second one
+        late = _event(key, 99)
+        other.publish([late])
+        assert other.lag("g") == {q: (1 if q == p else 0) for q in ALL}
+        assert [d.payload for d in bus.read("g", "c", ALL, 10, 5.0)] == [late.to_json()]
+        # A tail from a position of the old stream starts again at the new one.
+        assert [d.payload for d in tailer.tail({p: at}, 10, 5.0)] == [late.to_json()]
+    finally:
+        other.close()
+        tailer.close()
+
+
+def test_a_stream_made_again_by_a_publish_is_found_however_long_it_grows(bus: RabbitMQBus, server: str,
+                                                                        namespace: str) -> None:
+    """The publisher made the stream again (its publish came back unroutable) and published more than the old
+    stream held before anyone looked: the length alone cannot tell, the publisher's own notice does."""
+    key = "inst-regrown"
+    p = partition_for(key, P)
+    publisher = RabbitMQBus(server, partitions=P, namespace=namespace)
+    try:
+        bus.ensure_group("g")
+        publisher.publish([_event(key, i) for i in range(3)])
+        bus.ack("g", _read_n(bus, "g", "c", 3))
+        before = publisher.epochs()
+        bus.close()  # the reader is gone: no watch of its own sees the stream go
+        _delete_stream(server, publisher.names.stream(p))
+        regrown = [_event(key, 100 + i) for i in range(10)]
+        publisher.publish(regrown)
+        after = publisher.epochs()
+        assert after[p] != before[p] and all(after[q] == before[q] for q in ALL if q != p)
+        reader = RabbitMQBus(server, partitions=P, namespace=namespace)
+        try:
+            got = _read_n(reader, "g", "c", 10)
+            assert [d.payload for d in got] == [e.to_json() for e in regrown]
+        finally:
+            reader.close()
+    finally:
+        publisher.close()
