@@ -199,6 +199,7 @@ class Minimal(Pipeline):
 
 class Pollbridge(Pipeline):
     namespace = "pollbridge"
+    bus_url = REDIS_URL
 
     def caught_up(self) -> bool:
         """Nothing left to publish or consume: the seeding's insert events are all handled."""
@@ -206,12 +207,15 @@ class Pollbridge(Pipeline):
             row = conn.execute("SELECT count(*) FROM pollbridge_outbox WHERE published_at IS NULL").fetchone()
         if row is None or row[0]:
             return False
-        bus = open_bus(REDIS_URL, namespace=self.namespace)
+        engine = create_engine(self.url) if self.bus_url == "embedded" else None
+        bus = open_bus(self.bus_url, engine=engine, namespace=self.namespace)
         try:
             group = SchedulerSettings().group
             return sum(bus.lag(group).values()) == 0 and bus.pending_count(group) == 0
         finally:
             bus.close()
+            if engine is not None:
+                engine.dispose()
 
     def seed(self, instances: int) -> None:
         a, b = self.seeded + 1, self.seeded + instances
@@ -247,8 +251,10 @@ def wait_until(check: Callable[[], bool], timeout: float, children: pc.Children)
     return False
 
 
-def window(p: Pipeline, children: pc.Children, rate: float | None, seconds: float) -> dict[str, Any]:
-    """Seed enough chains, wait for their first tasks to be queued, complete for ``seconds``."""
+def window(p: Pipeline, children: pc.Children, rate: float | None, seconds: float,
+           meter: Callable[[], Callable[[], dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Seed enough chains, wait for their first tasks to be queued, complete for ``seconds``. ``meter``, called
+    as the completions start, returns what to call as they end; its dict is added to the result."""
     per_chain = CHAIN - 1
     instances = max(200, int((rate or 3000) * seconds * 1.5 / per_chain) + 1)
     before = p.queued()
@@ -261,16 +267,18 @@ def window(p: Pipeline, children: pc.Children, rate: float | None, seconds: floa
     load = pc.MachineLoad([p.url.rsplit("/", 1)[1]])
     load.start([c.proc.pid for c in children.items])
     t0 = p.now()
+    stop_meter = meter() if meter is not None else None
     started = time.perf_counter()
     completed = p.complete(rate, seconds)
     elapsed = time.perf_counter() - started
+    metered = stop_meter() if stop_meter is not None else {}
     t1 = p.now()
     time.sleep(1.0)  # the window's last dispatches
     dispatched = p.dispatched_between(t0, t1)
     return {"pipeline": p.name, "rate": rate, "seconds": round(elapsed, 2), "completions": completed,
             "completions_per_s": round(completed / elapsed, 1),
             "transitions_per_s": round((completed + dispatched) / elapsed, 1),
-            "latency": p.latency(t0, t1), **load.stop()}
+            "latency": p.latency(t0, t1), **load.stop(), **metered}
 
 
 @contextlib.contextmanager
@@ -298,22 +306,30 @@ def start_minimal(url: str, workdir: Path, namespace: str) -> tuple[Minimal, pc.
     return Minimal("minimal", url, "mtasks", ""), children
 
 
-def start_pollbridge(url: str, workdir: Path, namespace: str, schedulers: int,
-                     wake: str = "adaptive") -> tuple[Pollbridge, pc.Children]:
+def start_pollbridge(url: str, workdir: Path, namespace: str, schedulers: int, wake: str = "adaptive",
+                     bus_url: str = REDIS_URL, relays: int = 1) -> tuple[Pollbridge, pc.Children]:
+    """pollbridge's event path on ``bus_url``: ``relays`` relay processes (``[capture] relay_partitions``, one
+    ``pollbridge relay run --partition N`` each) and ``schedulers`` schedulers, their leases settled."""
     engine = create_engine(url)
-    install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings(wake=wake))
+    install.init(engine, demo_schema=True, mapping=TaskTableMapping(),
+                 capture=CaptureSettings(wake=wake, relay_partitions=relays))
     engine.dispose()
-    (workdir / "pollbridge.toml").write_text(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n')
+    (workdir / "pollbridge.toml").write_text(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\n'
+                                             f'relay_partitions = {relays}\n')
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed (pip install -e .)")
-    children = pc.Children(workdir, {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL})
-    children.spawn("relay", [exe, "--log-level", "INFO", "relay", "run"])
+    children = pc.Children(workdir, {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": bus_url})
+    if relays == 1:
+        children.spawn("relay", [exe, "--log-level", "INFO", "relay", "run"])
+    else:
+        for n in range(relays):
+            children.spawn(f"relay{n + 1}", [exe, "--log-level", "INFO", "relay", "run", "--partition", str(n)])
     for n in range(schedulers):
         children.spawn(f"scheduler{n + 1}", [exe, "--log-level", "INFO", "scheduler", "run", "--phase", "cutover"])
     p = Pollbridge("pollbridge", url, "tasks", ", updated_at = clock_timestamp()")
-    p.namespace = namespace
+    p.namespace, p.bus_url = namespace, bus_url
 
     engine = create_engine(url)
-    bus = open_bus(REDIS_URL, engine=engine, partitions=BusSettings().partitions, namespace=namespace)
+    bus = open_bus(bus_url, engine=engine, partitions=BusSettings().partitions, namespace=namespace)
     try:
         if not wait_until(lambda: lease_snapshot(engine, bus).settled(schedulers, bus.partitions), 60, children):
             print("warning: the schedulers did not settle their leases within 60 s", file=sys.stderr)

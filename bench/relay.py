@@ -51,9 +51,9 @@ def _seed(engine: sa.Engine, rows: int, instance_prefix: str) -> None:
                      {"p": instance_prefix, "n": rows})
 
 
-def throughput(url: str, rows: int, batch: int, namespace: str) -> dict[str, Any]:
+def throughput(url: str, rows: int, batch: int, namespace: str, bus_url: str = REDIS_URL) -> dict[str, Any]:
     engine = create_engine(url)
-    bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    bus = open_bus(bus_url, engine=engine, partitions=8, namespace=namespace)
     try:
         _seed(engine, rows, "tp-")
         relay = Relay(engine, bus, RelaySettings(batch_size=batch), statuses=TaskTableMapping().statuses)
@@ -72,9 +72,9 @@ def throughput(url: str, rows: int, batch: int, namespace: str) -> dict[str, Any
         engine.dispose()
 
 
-def wal_throughput(url: str, rows: int, namespace: str) -> dict[str, Any]:
+def wal_throughput(url: str, rows: int, namespace: str, bus_url: str = REDIS_URL) -> dict[str, Any]:
     engine = create_engine(url)
-    bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    bus = open_bus(bus_url, engine=engine, partitions=8, namespace=namespace)
     try:
         for start in range(0, rows, 1000):
             with engine.begin() as conn:
@@ -94,14 +94,15 @@ def wal_throughput(url: str, rows: int, namespace: str) -> dict[str, Any]:
         engine.dispose()
 
 
-def latency(url: str, rate: float, seconds: float, wake: str, namespace: str, mode: str = "trigger") -> dict[str, Any]:
+def latency(url: str, rate: float, seconds: float, wake: str, namespace: str, mode: str = "trigger",
+            bus_url: str = REDIS_URL) -> dict[str, Any]:
     engine = create_engine(url)
     n_updates = int(rate * seconds)
     _seed(engine, n_updates, "lat-")
     with engine.connect() as conn:
         ids = list(conn.execute(sa.text("SELECT id FROM tasks WHERE instance_id LIKE 'lat-%' ORDER BY id")).scalars())
     # Drain the seed rows first so the measurement sees only the updates.
-    drain_bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    drain_bus = open_bus(bus_url, engine=engine, partitions=8, namespace=namespace)
     if mode == "wal":
         WalCapture(engine, reflect_tables(engine, TaskTableMapping()), drain_bus).catch_up(timeout=600)
     else:
@@ -109,7 +110,7 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str, mo
         while relay.publish_batch():
             pass
         relay.leadership.release()
-    consumer_bus = open_bus(REDIS_URL, partitions=8, namespace=namespace)
+    consumer_bus = open_bus(bus_url, engine=engine, partitions=8, namespace=namespace)
     consumer_bus.ensure_group("bench")
     # Skip what is already on the streams (the seed inserts): read them once and ack.
     while True:
@@ -120,7 +121,7 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str, mo
 
     workdir = tempfile.mkdtemp()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
-           "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
+           "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": bus_url}
     with open(os.path.join(workdir, "pollbridge.toml"), "w") as f:
         f.write(f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\nmode = "{mode}"\n')
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")

@@ -13,7 +13,8 @@ from bench.paths import build_workload
 from bridge.reference.oracle import percentile
 
 
-@pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal", "bench.cost"])
+@pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal", "bench.cost",
+                                    "bench.backends"])
 def test_help_parses(module: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(module).main(["--help"])
@@ -83,3 +84,28 @@ def test_cost_counts_sqlite_write_transactions_and_plots(tmp_path: Path) -> None
     png = tmp_path / "cost.png"
     assert cost.plot(str(png), {"windows": windows}) is None
     assert png.stat().st_size > 1000
+
+
+def test_backends_reports_an_unknown_backend_and_summarises() -> None:
+    import contextlib
+
+    from bench import backends
+
+    with contextlib.ExitStack() as resources, pytest.raises(backends.Unavailable, match="unknown backend"):
+        backends.set_up("nosuch", resources)
+    assert backends.ordered([1, 2, 3], 0) == [1, 2, 3] and backends.ordered([1, 2, 3], 1) == [3, 2, 1]
+    lat = {"p50_ms": 2.0, "p99_ms": 9.0}
+    results = {
+        "relay": [{"backend": "redis", "throughput": {"rows_per_s": r}, "latency": {"p50_ms": 1.0, "p99_ms": 4.0}}
+                  for r in (100.0, 300.0)] + [{"backend": "redis", "error": "broke"}],
+        "paths": [{"backend": "redis", "stack": s, "latency": lat, "cpu_per_s": {"relays": 0.5, "bus_server": None}}
+                  for s in ("1+1", "2+2")],
+        "flat_out": [{"backend": "redis", "stack": "1+1", "transitions_per_s": 1000.0},
+                     {"backend": "redis", "stack": "2+2", "transitions_per_s": 1500.0}],
+    }
+    (row,) = backends.summarise(results, ["redis"])
+    assert row["relay_rows_per_s"] == 200.0 and row["1+1 p99_ms"] == 9.0 and row["2+2 / 1+1"] == 1.5
+    (rabbit,) = backends.summarise(results, ["rabbitmq"])
+    assert rabbit["relay_rows_per_s"] is None and rabbit["2+2 / 1+1"] is None
+    cpu = backends.cpu_rows(results)
+    assert [r[:3] for r in cpu] == [["redis 1+1", "at rate", 0.5], ["redis 2+2", "at rate", 0.5]]
