@@ -315,6 +315,10 @@ class RabbitMQBus(EventBus):
                 ch._impl.confirm_delivery(self._on_confirm)  # batched confirms (see _send_confirmed)
                 self._confirms = {"next": 1, "outstanding": set(), "nacked": 0}
             elif attr == "_watch_ch":
+                # The watches of a closed channel are gone with it: they start afresh on this one.
+                self._watches.clear()
+                self._by_tag.clear()
+                self._watch_unacked = 0
                 ch.basic_qos(prefetch_count=WATCH_PREFETCH)
                 ch.add_on_cancel_callback(self._on_watch_cancelled)
             setattr(self, attr, ch)
@@ -498,35 +502,19 @@ class RabbitMQBus(EventBus):
         """Make the watches of ``parts`` current: attached, and past our own publishes. The partitions whose
         stream exists (``create``: declared when missing)."""
         self._pump(0)
-        ch = self._channel("_watch_ch")
-        attaching: list[int] = []
-        for p in parts:
-            w = self._watches.get(p)
-            if w is not None and w.tag is not None:
-                continue
-            if create:
-                self._declare_stream(p)
-            elif not self._exists(self.names.stream(p)):
-                continue
-            if w is None:
-                w = self._watches[p] = _Watch()
-            if w.synced:
-                # Re-attaching after a lost connection: exactly after the last offset seen.
-                start: Any = w.seen_end + 1
-            else:
-                start = "last"  # the last chunk, then the marker below
-                w.marker = secrets.token_hex(8)
-                attaching.append(p)
+        deadline = time.monotonic() + self._wait_limit
+        while True:
             try:
-                tag = ch.basic_consume(self.names.stream(p), self._on_watch_message, arguments={_OFFSET: start})
+                attaching = self._attach(parts, create)
+                break
             except amqp_errors.ChannelClosedByBroker as exc:
+                # The watch channel is closed, with every watch on it (they start afresh on the next one). 404: the
+                # stream vanished between looking and attaching; 406: a stream just declared, or recovering after
+                # a broker restart, has no member running yet ("does not have a replica on the local node").
                 self._watch_ch = None
-                if exc.reply_code == 404:
-                    self._forget_partition(p, vanished=True)
-                    continue
-                raise
-            w.tag = tag
-            self._by_tag[tag] = p
+                if exc.reply_code not in (404, 406) or time.monotonic() > deadline:
+                    raise
+                self._pump(_SLICE_S)
         ops = self._channel("_ops")
         for p in attaching:
             w = self._watches[p]
@@ -536,7 +524,6 @@ class RabbitMQBus(EventBus):
                     headers={HEADER_MARKER: w.marker}, delivery_mode=2), mandatory=True)
             except amqp_errors.UnroutableError:
                 self._forget_partition(p, vanished=True)
-        deadline = time.monotonic() + self._wait_limit
 
         def behind() -> list[int]:
             return [p for p in parts if p in self._watches and self._watches[p].tag is not None
@@ -548,7 +535,34 @@ class RabbitMQBus(EventBus):
                 raise TimeoutError(f"bus {self._display}: partitions {behind()} did not catch up within "
                                    f"{self._wait_limit:.0f} s")
             self._pump(_SLICE_S)
+            if self._watch_ch is None or not self._watch_ch.is_open:
+                return self._sync(parts, create)  # the channel closed under the watches: attach them again
         return [p for p in parts if p in self._watches and self._watches[p].tag is not None]
+
+    def _attach(self, parts: Sequence[int], create: bool) -> list[int]:
+        """Attach a watch to each partition of ``parts`` whose stream exists (``create``: declared when missing) and
+        has none; the partitions newly attached (their marker is still to be published)."""
+        ch = self._channel("_watch_ch")
+        attaching: list[int] = []
+        for p in parts:
+            w = self._watches.get(p)
+            if w is not None and w.tag is not None:
+                continue
+            if create:
+                self._declare_stream(p)
+            elif not self._exists(self.names.stream(p)):
+                continue
+            try:
+                tag = ch.basic_consume(self.names.stream(p), self._on_watch_message, arguments={_OFFSET: "last"})
+            except amqp_errors.ChannelClosedByBroker as exc:
+                if exc.reply_code == 404:
+                    self._forget_partition(p, vanished=True)
+                raise
+            # At the last chunk, then a marker: once it arrives, everything up to it is known.
+            w = self._watches[p] = _Watch(tag=tag, marker=secrets.token_hex(8))
+            self._by_tag[tag] = p
+            attaching.append(p)
+        return attaching
 
     def _end(self, p: int) -> int:
         w = self._watches.get(p)
@@ -784,6 +798,9 @@ class RabbitMQBus(EventBus):
             return
         deadline = time.monotonic() + self._wait_limit
         while p in self._watches and self._watches[p].marker is not None:
+            if self._watch_ch is None or not self._watch_ch.is_open:
+                self._sync([p], create=False)  # the channel closed under the watch: a fresh one knows the end
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"bus {self._display}: partition {p}'s marker did not arrive within "
                                    f"{self._wait_limit:.0f} s")

@@ -192,7 +192,11 @@ def _close_server_side(bus: RabbitMQBus) -> None:
     """Close this bus's connection from the broker's side (as a restart or an operator would)."""
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
-        pytest.skip("rabbitmqctl is not on this machine: cannot close a connection server-side")
+        from tests.conftest import service_unavailable
+
+        service_unavailable("rabbitmqctl is not on this machine: cannot close a connection server-side (install the "
+                            "broker's CLI tools beside the test server, e.g. `apt-get install rabbitmq-server`)")
+        raise AssertionError("unreachable: service_unavailable fails or skips")
     out = subprocess.run([ctl, "-q", "list_connections", "pid", "client_properties"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     pids = [line.split("\t", 1)[0] for line in out.splitlines() if bus.connection_name in line]

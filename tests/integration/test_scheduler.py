@@ -1,5 +1,5 @@
 """The event scheduler end to end (capture → relay → bus → scheduler → dispatch) on the three stacks, and on
-PostgreSQL + a Redis Cluster."""
+PostgreSQL + a Redis Cluster and PostgreSQL + RabbitMQ."""
 
 from __future__ import annotations
 
@@ -326,10 +326,10 @@ def test_poison_and_unknown_events(env: Env, stack: Stack) -> None:
 
 def _write_raw(env: Env, bus: Any, payload: str) -> None:
     """An entry that is not a CloudEvent, written straight into the backend's storage."""
-    if env.bus_url is not None:  # Redis or a Redis Cluster (whose readers wait on its doorbell: rung too)
-        from tests.support.buses import redis_raw_append
+    if env.bus_url is not None:  # a bus server (a Redis Cluster's readers wait on its doorbell: rung too)
+        from tests.support.buses import raw_write
 
-        redis_raw_append(bus, 0, payload, "raw")
+        raw_write(env.bus_url, bus, 0, payload, "raw")
     else:
         from bridge.db.schema import bus_log
 

@@ -111,3 +111,41 @@ def redis_raw_append(bus: EventBus, partition: int, payload: Payload, event_id: 
     bus.client.xadd(bus.keys.stream(partition), fields)
     if bus.cluster:  # a cluster's readers wait on the doorbell, which every pollbridge publish rings
         bus.client.xadd(bus.keys.wake, {"p": str(partition)})
+
+
+# ------------------------------------------------------------------ hooks for the suites that run on every stack
+
+def lose_bus_data(bus_url: str, bus: EventBus, partition: int | None = None) -> None:
+    """What a bus server that lost data leaves behind, on any backend with a server: everything of the bus's
+    namespace (``partition`` None: Redis restarted without persistence, a RabbitMQ node rebuilt without its disk),
+    or one partition's data (a Redis Cluster shard: its stream and epoch key; RabbitMQ: its stream)."""
+    if isinstance(bus, RedisStreamsBus):
+        if partition is None:
+            clear_redis_namespace(bus_url, bus.keys.namespace)
+        else:
+            bus.client.delete(bus.keys.stream(partition))
+            bus.client.delete(bus.keys.epoch(partition))
+        return
+    from tests.support import rabbitmq
+
+    if partition is None:
+        assert isinstance(bus, rabbitmq.RabbitMQBus)
+        rabbitmq.delete_namespace(bus_url, bus.names.namespace, bus.partitions)
+    else:
+        rabbitmq.lose_partition(bus_url, bus, partition)
+
+
+def raw_write(bus_url: str, bus: EventBus, partition: int, payload: Payload, event_id: str) -> None:
+    """One entry straight into a server bus's storage, as another program would write it (see ``raw_append``)."""
+    if isinstance(bus, RedisStreamsBus):
+        redis_raw_append(bus, partition, payload, event_id)
+    else:
+        from tests.support.rabbitmq import raw_append
+
+        raw_append(bus_url, bus, partition, payload, event_id)
+
+
+def drops_single_entries(bus: EventBus) -> bool:
+    """Whether one acknowledged entry can vanish from the bus's storage alone (Redis: ``XDEL``, or a failover to a
+    replica that had not received it). A RabbitMQ stream is append-only: it loses a whole stream or nothing."""
+    return isinstance(bus, RedisStreamsBus)

@@ -131,3 +131,13 @@ def delete_namespace(url: str, namespace: str, partitions: int) -> None:
                 ch.close()
     finally:
         conn.close()
+
+
+def lose_partition(url: str, bus: EventBus, partition: int) -> None:
+    """One partition's stream lost while the state document survives (AMQP ``queue.delete``)."""
+    assert isinstance(bus, RabbitMQBus)
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        conn.channel().queue_delete(bus.names.stream(partition))
+    finally:
+        conn.close()

@@ -18,17 +18,28 @@ ENV_PARAMS = [
     pytest.param("postgresql-embedded", marks=pytest.mark.postgres),
     pytest.param("postgresql-redis", marks=[pytest.mark.postgres, pytest.mark.redis]),
 ]
-#: The stacks plus PostgreSQL + a Redis Cluster (3 primaries, 3 replicas, started by the tests): a module opts in
-#: by overriding ``env`` with these params and :func:`make_env`.
+#: The stacks plus PostgreSQL + a Redis Cluster (3 primaries, 3 replicas, started by the tests) and PostgreSQL +
+#: RabbitMQ (the test server of tests/support/rabbitmq.py): a module opts in by overriding ``env`` with these params
+#: and :func:`make_env`.
 ENV_PARAMS_WITH_CLUSTER = [
     *ENV_PARAMS,
     pytest.param("postgresql-rediscluster", marks=[pytest.mark.postgres, pytest.mark.redis]),
+    pytest.param("postgresql-rabbitmq", marks=[pytest.mark.postgres, pytest.mark.rabbitmq]),
 ]
 
 
+#: The partitions of every bus :func:`make_env` opens.
+PARTITIONS = 4
+
+
 def make_env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    """The stack ``request.param`` names: SQLite or PostgreSQL, with the embedded bus, Redis or a Redis Cluster."""
+    """The stack ``request.param`` names: SQLite or PostgreSQL, with the embedded bus, Redis, a Redis Cluster or
+    RabbitMQ (a namespace of its own per test, deleted afterwards)."""
     db, bus_kind = request.param.split("-")
+    if bus_kind == "rabbitmq":  # checked first: an unreachable server skips (fails in CI) before a database is made
+        from tests.support.rabbitmq import reachable_rabbitmq
+
+        rabbitmq_url = reachable_rabbitmq()
     url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
     engine = create_engine(url)
     buses: list[EventBus] = []
@@ -40,9 +51,12 @@ def make_env(request: pytest.FixtureRequest) -> Iterator[Env]:
     elif bus_kind == "rediscluster":
         bus_url = request.getfixturevalue("redis_cluster")
         namespace = f"pbtest-{uuid.uuid4().hex[:10]}"
+    elif bus_kind == "rabbitmq":
+        bus_url = rabbitmq_url
+        namespace = f"pbtest-{uuid.uuid4().hex[:10]}"
 
     def opener() -> EventBus:
-        bus = open_bus(bus_url, engine=engine, partitions=4, namespace=namespace or "pollbridge")
+        bus = open_bus(bus_url, engine=engine, partitions=PARTITIONS, namespace=namespace or "pollbridge")
         buses.append(bus)
         return bus
 
@@ -52,4 +66,8 @@ def make_env(request: pytest.FixtureRequest) -> Iterator[Env]:
         bus.close()
     if bus_kind == "rediscluster" and namespace is not None:
         clear_redis_namespace(bus_url, namespace)
+    if bus_kind == "rabbitmq" and namespace is not None:
+        from tests.support.rabbitmq import delete_namespace
+
+        delete_namespace(bus_url, namespace, PARTITIONS)
     engine.dispose()
