@@ -634,8 +634,7 @@ class WalCapture:
                 self._stream(stop)
                 backoff.reset()
             except Exception as exc:  # a lost connection, a server restart, a busy slot: try again
-                self.pending = _Pending(end_lsn=self.confirmed_lsn)
-                self._txn = None
+                self._forget_unconfirmed()
                 if self._switched_away():
                     log.info("write-ahead-log capture switched away: streaming stopped")
                     return
@@ -648,6 +647,16 @@ class WalCapture:
                 delay = backoff.next()
                 log.warning("write-ahead-log capture stopped (%s); reconnecting in %.1f s", first_line(exc), delay)
                 stop.wait(delay)
+
+    def _forget_unconfirmed(self) -> None:
+        """After a failure: drop what was decoded and not confirmed; the slot sends it again. The watched values
+        remembered while decoding it go too: they describe changes that are not captured yet, and a change sent
+        again would otherwise look unchanged against them and be skipped (found by the restart fault test: a
+        write decoded just before a restart was never published). The next update of each task is then captured
+        without its old status, as after a restart of the relay."""
+        self.pending = _Pending(end_lsn=self.confirmed_lsn)
+        self._txn = None
+        self._seen.clear()
 
     def recover_slot(self) -> int:
         """The slot was dropped or invalidated (the WAL it needed was removed): what changed in between is not
@@ -766,6 +775,9 @@ class WalCapture:
                 select.select([cur], [], [], 0.2)
             self._flush_and_confirm(cur)
             self._await_confirmation(cur, deadline)
+        except BaseException:
+            self._forget_unconfirmed()
+            raise
         finally:
             conn.close()
         return self.captured - before

@@ -661,3 +661,64 @@ def test_a_logged_transaction_id_widens_to_the_64_bit_id_it_came_from(pg_engine:
                                {"xmax": xmax, "xid": true_id & 0xFFFFFFFF}).scalar_one()
     assert widened == true_id
 
+
+
+@pytest.mark.postgres
+def test_a_long_transaction_holds_back_nothing_but_its_own_changes(walcap: Capture) -> None:
+    """A transaction left open for seconds (a migration, a batch job) while others commit: the log is decoded at
+    each commit, so the others are published while it is still open, and its own change once it commits."""
+    keys = [f"k{i}" for i in range(20)]
+    ids = _new_instance(walcap, "m10", ["long", *keys])
+    t = walcap.tables.tasks
+
+    def published(key: str) -> bool:
+        with walcap.engine.connect() as conn:
+            return conn.execute(sa.select(sa.func.count()).select_from(outbox).where(
+                outbox.c.instance_id == "m10", outbox.c.task_key == key, outbox.c.new_status == "queued",
+                outbox.c.published_at.is_not(None))).scalar_one() > 0
+
+    with streaming(walcap):
+        long = walcap.engine.connect()
+        try:
+            txn = long.begin()
+            long.execute(t.update().where(t.c.id == ids["long"]).values(status="queued"))
+            for key in keys:
+                with walcap.engine.begin() as conn:
+                    conn.execute(t.update().where(t.c.id == ids[key]).values(status="queued"))
+            wait_for(lambda: all(published(k) for k in keys), 20.0, what="the others' changes, published")
+            assert not published("long")  # not in the log until it commits
+            txn.commit()
+        finally:
+            long.close()
+        wait_for(lambda: published("long"), 20.0, what="the long transaction's change, once committed")
+
+
+@pytest.mark.postgres
+def test_a_change_sent_again_after_a_failed_flush_is_captured(walcap: Capture) -> None:
+    """A batch decoded and then lost (the database went away while it was written) is sent again by the slot
+    when the capture reconnects; the watched values remembered while decoding it must not make the change look
+    unchanged the second time (it was: a restart mid-run lost a write)."""
+    ids = _new_instance(walcap, "m11", ["a"])
+    walcap.rows()
+    t = walcap.tables.tasks
+    with streaming(walcap) as capture:
+        real_flush = capture.flush
+        failed: list[bool] = []
+
+        def flush_failing_once() -> None:
+            if not failed and any(r.get("instance_id") == "m11" for r in capture.pending.rows):
+                failed.append(True)
+                raise RuntimeError("the database went away while the batch was written")
+            real_flush()
+
+        capture.flush = flush_failing_once  # type: ignore[method-assign]
+        with walcap.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
+
+        def captured() -> bool:
+            with walcap.engine.connect() as conn:
+                return conn.execute(sa.select(sa.func.count()).select_from(outbox).where(
+                    outbox.c.instance_id == "m11", outbox.c.new_status == "queued",
+                    outbox.c.published_at.is_not(None))).scalar_one() > 0
+        wait_for(lambda: bool(failed), 20.0, what="the failed flush")
+        wait_for(captured, 20.0, what="the change, sent again by the slot, to be captured")
