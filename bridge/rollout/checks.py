@@ -280,7 +280,9 @@ def _bus(p: Probe) -> Outcome:
         raise
     except Exception as exc:  # any client error (refused, TLS, auth, timeout): the check fails with the reason
         return False, f"cannot reach the bus {url}: {_reason(exc)}"
-    return True, f"{url} reachable ({p.settings.bus.partitions} partitions)"
+    placement = p.bus.placement()
+    where = "" if placement is None else f", on {len(set(placement.values()))} cluster primaries"
+    return True, f"{url} reachable ({p.settings.bus.partitions} partitions{where})"
 
 
 def _age(now: datetime, then: datetime) -> str:

@@ -71,3 +71,19 @@ def test_status_says_where_the_partitions_live(redis_cluster: str, namespace: st
         assert status.to_json()["placement"] == {str(p): n for p, n in sorted((bus.placement() or {}).items())}
     finally:
         bus.close()
+
+
+def test_doctor_says_the_bus_is_a_cluster(redis_cluster: str, namespace: str, tmp_path: Any) -> None:
+    from click.testing import CliRunner
+
+    from bridge.cli.main import cli
+
+    db = tmp_path / "x.db"
+    config = tmp_path / "pollbridge.toml"
+    config.write_text(f'[bus]\nnamespace = "{namespace}"\n')
+    env = {"POLLBRIDGE_DATABASE_URL": f"sqlite:///{db}", "POLLBRIDGE_BUS_URL": redis_cluster}
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--config", str(config), "init", "--demo-schema"], env=env).exit_code == 0
+    result = runner.invoke(cli, ["--config", str(config), "doctor"], env=env)
+    line = next(x for x in result.output.splitlines() if "bus:" in x)
+    assert line.startswith("[ok] bus:") and "on 3 cluster primaries" in line, result.output
