@@ -12,6 +12,9 @@ class SchedulerMetrics:
         self.registry = registry
         self.consumed = Counter("pollbridge_scheduler_consumed", "Bus entries handled", ["workflow_type"],
                                 registry=registry)
+        self.bus_resets = Counter("pollbridge_scheduler_bus_resets",
+                                  "Times the bus's epoch of owned partitions changed (the bus lost their data): "
+                                  "those partitions were caught up from the database", registry=registry)
         self.duplicates = Counter("pollbridge_scheduler_duplicate_events",
                                   "Entries whose event id was handled recently (skipped)", registry=registry)
         self.unknown = Counter("pollbridge_scheduler_unknown_events",

@@ -120,6 +120,8 @@ class EventScheduler:
         self._catch_up_pending: set[int] = set()
         self._catch_up_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        #: The bus's epochs as last seen (None: not looked yet), to notice a loss of the bus's data.
+        self._epochs: dict[int, str] | None = None
         self.bus.ensure_group(settings.group)
 
     # --- handling ------------------------------------------------------------------------------------
@@ -462,6 +464,33 @@ class EventScheduler:
                 finally:
                     self.catch_up(acquired)
 
+    def check_bus_epochs(self) -> set[int]:
+        """Notice that the bus lost the data of partitions (their epochs changed: Redis flushed or restarted
+        empty, a cluster shard lost, RabbitMQ's data gone); the owned ones among them are queued for catch-up.
+
+        The relay republishes the lost task events from its outbox, with their ids; but what the scheduler itself
+        put on the bus is in no outbox (a due timer fires by publishing ``timer.expired``), and a republished
+        event this process remembers handling would be skipped as a duplicate. So the remembered event ids are
+        forgotten and every owned partition that lost its data is evaluated from the database, as when it was
+        acquired (found by the RabbitMQ broker-wipe fault test: a timer event published just before the wipe
+        was lost and its task never dispatched). Bus commands only, no database statement; returns the owned
+        partitions queued."""
+        epochs = self.bus.epochs()
+        previous, self._epochs = self._epochs, epochs
+        if previous is None:
+            return set()
+        changed = {p for p, token in epochs.items() if previous.get(p) not in (None, token)}
+        if not changed:
+            return set()
+        self._recent.clear()
+        lost = changed & set(self.leases.owned)
+        self.metrics.bus_resets.inc()
+        log.warning("the bus lost the data of partition(s) %s (epoch changed): remembered event ids forgotten; "
+                    "catching up owned partition(s) %s from the database", sorted(changed), sorted(lost))
+        if lost:
+            self._catch_up_later(lost)
+        return lost
+
     def _drop_connection(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
@@ -483,6 +512,7 @@ class EventScheduler:
                     now = time.monotonic()
                     if now >= next_lease:
                         self.refresh_leases(background=True)
+                        self.check_bus_epochs()  # with the leases' round: bus commands only, no statement
                         next_lease = now + self.settings.lease_ttl / 3
                     if now >= next_claim:
                         self.claim_stale()

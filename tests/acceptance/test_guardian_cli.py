@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.rollout.guardian import Guardian
 from bridge.tasktable.tables import reflect_tables
 from tests.support import Run, wait_for
+from tests.support.ports import free_port
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:
@@ -139,13 +139,6 @@ def test_run_rejects_a_bad_interval(pollbridge: Run) -> None:
     _no_traceback(result)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Processes a test started; killed at the end if the test did not stop them."""
@@ -164,7 +157,7 @@ def test_run_demotes_serves_metrics_and_stops_on_sigterm(pollbridge: Run, tmp_pa
     _stuck_cutover(tmp_path)
     exe = shutil.which("pollbridge")
     assert exe is not None
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "guardian.log"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
            "POLLBRIDGE_GUARDIAN_INTERVAL": "0.2"}

@@ -33,6 +33,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
@@ -44,12 +45,6 @@ PG_PASSWORD = f"Pg@{CORE_PG}:/%é"
 REDIS_PASSWORD = f"Rd@{CORE_REDIS}#?&"
 SECRETS = {"database password": CORE_PG, "redis password": CORE_REDIS, "wrong redis password": CORE_WRONG,
            "signal secret": CORE_SECRET}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _with_password(url: str, password: str) -> str:
@@ -65,7 +60,7 @@ def private_redis(tmp_path: Path) -> Iterator[int]:
         if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
             pytest.fail("redis-server is not installed", pytrace=False)
         pytest.skip("redis-server is not installed")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--requirepass", REDIS_PASSWORD, "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -204,7 +199,7 @@ def test_passwords_never_show_and_listeners_bind_to_this_host_only(pg_url: str, 
         ["dlq", "list", "--json"], ["guardian", "check", "--dry-run"], ["preflight", "dual_write", "--type", "orders"],
         ["signal", "1", "--kind", "callback"],
     ]
-    ports = {name: _free_port() for name in ("relay", "scheduler", "poller", "guardian", "metrics", "run-all", "serve")}
+    ports = {name: free_port() for name in ("relay", "scheduler", "poller", "guardian", "metrics", "run-all", "serve")}
     long_runs = [
         Run(["relay", "run", "--metrics-port", str(ports["relay"])], reachable, True, ports["relay"],
             "relay partition"),

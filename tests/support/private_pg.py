@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from tests.support.ports import free_port
 
 CONF = """
 listen_addresses = '127.0.0.1'
@@ -42,18 +43,12 @@ def _bin(name: str) -> str:
     raise FileNotFoundError(f"{name} (PostgreSQL's server binaries)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PrivatePostgres:
     def __init__(self) -> None:
         self.initdb, self.pg_ctl = _bin("initdb"), _bin("pg_ctl")
         self.root = Path(tempfile.mkdtemp(prefix="pb-private-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port(restartable=True)
         self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self._as:
             shutil.chown(self.root, "postgres", "postgres")

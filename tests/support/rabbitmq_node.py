@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support import wait_for
+from tests.support.ports import free_port
 
 SBIN = Path("/usr/lib/rabbitmq/bin")
 #: Where a packaged broker keeps the cookie every local node and CLI tool shares.
@@ -39,12 +40,6 @@ def _tool(name: str) -> str | None:
     if packaged.exists():
         return str(packaged)
     return shutil.which(name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port_open(port: int) -> bool:
@@ -69,8 +64,8 @@ class PrivateNode:
 
     base: Path
     name: str = field(default_factory=lambda: f"pbfault{uuid.uuid4().hex[:8]}@localhost")
-    port: int = field(default_factory=_free_port)
-    dist_port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=lambda: free_port(restartable=True))
+    dist_port: int = field(default_factory=lambda: free_port(restartable=True))
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
+from tests.support.ports import free_port
 
 PRIMARIES = 3
 #: How long a node may be unreachable before the others count it failed (ms). Short, so a failover test
@@ -31,20 +32,15 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _free_port() -> int:
-    """A free TCP port whose cluster-bus port (+10000) is free as well."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+def _ports(n: int) -> list[int]:
+    """``n`` distinct ports whose cluster-bus ports (+10000) are free too; restartable: a killed node comes back on
+    its own port (tests/support/ports.py)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port(restartable=True, also=(10000,))
+        if not {port, port + 10000} & {q for p in ports for q in (p, p + 10000)}:
+            ports.append(port)
+    return ports
 
 
 @dataclass
@@ -190,7 +186,7 @@ def new_cluster() -> LocalCluster:
     """A cluster's ports and directory, nothing started yet (its :attr:`LocalCluster.url` is known already)."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise FileNotFoundError("redis-server and redis-cli")
-    return LocalCluster(ports=[_free_port() for _ in range(2 * PRIMARIES)],
+    return LocalCluster(ports=_ports(2 * PRIMARIES),
                         workdir=Path(tempfile.mkdtemp(prefix="pb-redis-cluster-")))
 
 

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from tests.support.ports import free_port
 
 #: The bus of the run: partitions, and the namespace of its keys on the private Redis.
 PARTITIONS = 4
@@ -74,12 +75,6 @@ max_miss_rate = 0.2
 min_tasks = 50
 window = 30
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 _PRCTL: Any = None
@@ -148,7 +143,7 @@ class PrivateRedis:
             raise RuntimeError("redis-server is not installed")
         self.exe = exe
         self.workdir = workdir
-        self.port = port or _free_port()
+        self.port = port or free_port(restartable=True)  # it is killed and started again on it
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
