@@ -860,9 +860,7 @@ def connect(url: str, *, socket_timeout: float = 30.0) -> tuple[Any, bool]:
     """A client for the Redis at ``url`` and whether it is a cluster: ``RedisCluster`` (which finds every
     node from this one and follows slots, MOVED and failovers) when that node has cluster mode on, else
     ``redis.Redis``. Replies are not decoded (see the module docstring)."""
-    options: dict[str, Any] = {"decode_responses": False, "socket_timeout": socket_timeout,
-                               "socket_connect_timeout": min(socket_timeout, 10.0)}
-    single = redis.Redis.from_url(url, health_check_interval=30, **options)
+    single = single_client(url, socket_timeout=socket_timeout)
     try:
         enabled = str(single.info("cluster").get("cluster_enabled", 0)) == "1"
     except ResponseError:  # a server without INFO cluster: not a cluster
@@ -874,7 +872,18 @@ def connect(url: str, *, socket_timeout: float = 30.0) -> tuple[Any, bool]:
         return single, False
     single.close()
     single.connection_pool.disconnect()
-    return RedisCluster.from_url(url, **options), True
+    return RedisCluster.from_url(url, **_options(socket_timeout)), True
+
+
+def _options(socket_timeout: float) -> dict[str, Any]:
+    return {"decode_responses": False, "socket_timeout": socket_timeout,
+            "socket_connect_timeout": min(socket_timeout, 10.0)}
+
+
+def single_client(url: str, *, socket_timeout: float = 30.0) -> Any:
+    """The one-server client the bus opens for ``url`` (connecting lazily: nothing is sent until a command): what
+    the URL's user, password, database and TLS options become (a cluster's client takes the same URL)."""
+    return redis.Redis.from_url(url, health_check_interval=30, **_options(socket_timeout))
 
 
 def _client_kwargs(client: Any) -> dict[str, Any]:

@@ -376,13 +376,16 @@ def test_redis_auth_and_tls_reach_the_client(url: str, ssl: bool, username: str 
                                              db: int) -> None:
     import redis
 
-    from bridge.bus.redis_streams import RedisStreamsBus
+    from bridge.bus.redis_streams import RedisStreamsBus, single_client
 
     settings = load_settings(environ={}, bus_url=url)
     assert settings.bus_url == url
-    bus = RedisStreamsBus(url, partitions=1)  # the client connects lazily: nothing is sent here
+    # Nothing is sent here: the bus connects on first use (asking the server whether it is a cluster), and the
+    # client it opens for a server connects lazily too.
+    bus = RedisStreamsBus(url, partitions=1)
+    client = single_client(url)
     try:
-        pool = bus.client.connection_pool
+        pool = client.connection_pool
         kwargs = pool.connection_kwargs
         assert kwargs.get("username") == username and kwargs["password"] == password and kwargs["db"] == db
         assert issubclass(pool.connection_class, redis.SSLConnection) == ssl
@@ -390,6 +393,7 @@ def test_redis_auth_and_tls_reach_the_client(url: str, ssl: bool, username: str 
             assert kwargs["ssl_ca_certs"] == "/etc/ca.pem" and kwargs["ssl_cert_reqs"] == "required"
         assert password not in repr(bus)
     finally:
+        client.close()
         bus.close()
 
 
