@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from bridge.db.clock import as_utc
+from bridge.db.clock import as_utc, bind_time
 from bridge.db.engine import db_now
 from bridge.db.schema import capture_gaps
 
@@ -51,9 +51,10 @@ def record_gap_statement(dialect_name: str, source: str, rederived: int, detail:
 def gaps_between(conn: Connection, since: datetime, until: datetime) -> list[CaptureGap]:
     """The gaps detected in ``[since, until)`` (a report's window), oldest first."""
     c = capture_gaps.c
-    if conn.dialect.name == "sqlite":  # naive UTC there, as db_now writes it
-        since, until = since.replace(tzinfo=None), until.replace(tzinfo=None)
-    rows = conn.execute(sa.select(capture_gaps).where(c.detected_at >= since, c.detected_at < until)
+    # As the column holds them (SQLite: db_now's millisecond text; a bound datetime would compare as text wrongly).
+    low, high = (sa.literal(bind_time(conn.dialect.name, t), type_=sa.String if conn.dialect.name == "sqlite"
+                            else sa.DateTime(timezone=True)) for t in (since, until))
+    rows = conn.execute(sa.select(capture_gaps).where(c.detected_at >= low, c.detected_at < high)
                         .order_by(c.detected_at, c.id)).all()
     return [CaptureGap(int(r.id), as_utc(r.detected_at) or r.detected_at, str(r.source), int(r.rederived),
                        str(r.detail)) for r in rows]

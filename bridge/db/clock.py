@@ -24,6 +24,16 @@ def as_utc(value: Any) -> datetime | None:
     return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
+def bind_time(dialect_name: str, value: datetime) -> Any:
+    """``value`` as the dialect stores :func:`db_now`'s output, to compare with such a column: SQLite keeps
+    millisecond text (naive UTC), and text compares by characters, so a bound datetime (microseconds) would sort
+    after the same millisecond written by the database; PostgreSQL takes the aware datetime."""
+    value = value.astimezone(UTC)
+    if dialect_name == "sqlite":
+        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return value
+
+
 def db_clock(engine: Engine) -> datetime:
     """The database's current time, aware UTC."""
     with read_only(engine).connect() as conn:

@@ -58,13 +58,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from bridge.core.phases import percent_threshold
+from bridge.db import clock
 from bridge.db.clock import as_utc
 from bridge.db.engine import db_ago, db_now, millis_between, read_only
 from bridge.db.schema import decisions, dispatch_log, flag_audit, flags, holds, review
@@ -170,11 +171,8 @@ def phase_spans(engine: Engine, types: Sequence[str] | None = None) -> list[Phas
 
 
 def bind_time(engine: Engine, value: datetime) -> Any:
-    """A timestamp as the dialect stores it (SQLite keeps db_now() text: naive UTC, millisecond text)."""
-    value = value.astimezone(UTC)
-    if engine.dialect.name == "sqlite":
-        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-    return value
+    """A timestamp as the dialect stores it (:func:`bridge.db.clock.bind_time`)."""
+    return clock.bind_time(engine.dialect.name, value)
 
 
 def _phase_at(engine: Engine, spans: Sequence[PhaseSpan], type_col: Any, at_col: Any) -> sa.ColumnElement[Any]:

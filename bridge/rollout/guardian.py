@@ -62,7 +62,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -77,7 +77,7 @@ from bridge.capture.wal import publication_exists, slot_state
 from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.phases import Flag, Phase
 from bridge.core.settings import GuardianSettings, SchedulerSettings
-from bridge.db.clock import as_utc
+from bridge.db.clock import as_utc, bind_time
 from bridge.db.engine import db_ago, read_only
 from bridge.db.schema import dispatch_log, holds
 from bridge.flags.store import FlagChange, FlagStore, describe
@@ -277,10 +277,7 @@ class Guardian:
         return MissCount(counts.get("events", 0), counts.get("fallback", 0), since, held)
 
     def _bind_time(self, value: datetime) -> Any:
-        # SQLite keeps db_now() as millisecond text (naive UTC), so compare with the same text.
-        if self._dialect == "sqlite":
-            return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        return value
+        return bind_time(self._dialect, value)
 
     # --- one check -----------------------------------------------------------------------------------
     def check_once(self, *, act: bool = True) -> CheckReport:

@@ -14,7 +14,7 @@ from datetime import timedelta
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
-from bridge.capture.gaps import WAL_SLOT, record_gap_statement
+from bridge.capture.gaps import WAL_SLOT, gaps_between, record_gap_statement
 from bridge.core.settings import GateSettings, GuardianSettings
 from bridge.db.clock import db_clock
 from bridge.flags.store import FlagStore
@@ -31,10 +31,15 @@ def _gap(engine: Engine, rederived: int = 3) -> None:
 def test_a_report_lists_the_gaps_of_its_window_and_its_verdicts_refuse_them(engine: Engine,
                                                                              tables: TaskTable) -> None:
     FlagStore(engine).change("orders", "dual_write", actor="op", reason="shadow")
-    before = db_clock(engine)  # the window [.., before) ends before the gap: half-open, as a report's
+    start = db_clock(engine) - timedelta(minutes=5)
     _gap(engine, 5)
     after = db_clock(engine) + timedelta(seconds=1)
-    report = build_report(engine, tables, before - timedelta(minutes=5), after, settings=GateSettings(),
+    with engine.connect() as conn:
+        (recorded,) = gaps_between(conn, start, after)
+    # A window [.., at) ends right before the gap, to the millisecond: half-open, as a report's. (On SQLite the
+    # column is millisecond text: a bound datetime compared as text took the gap's own millisecond as earlier.)
+    before = recorded.detected_at
+    report = build_report(engine, tables, start, after, settings=GateSettings(),
                           types=["orders"])
     assert [g.rederived for g in report.capture_gaps] == [5]
     (orders,) = report.types
@@ -42,7 +47,7 @@ def test_a_report_lists_the_gaps_of_its_window_and_its_verdicts_refuse_them(engi
     assert not gap.passed and "5 task(s) re-derived" in gap.detail
     doc = json.loads(json.dumps(report.to_json()))
     assert doc["capture_gaps"][0]["source"] == WAL_SLOT and doc["capture_gaps"][0]["rederived"] == 5
-    earlier = build_report(engine, tables, before - timedelta(minutes=5), before, settings=GateSettings(),
+    earlier = build_report(engine, tables, start, before, settings=GateSettings(),
                            types=["orders"])
     assert earlier.capture_gaps == ()
     assert next(c for c in earlier.types[0].criteria if c.name == "no_capture_gap").passed
