@@ -275,6 +275,17 @@ class EventBus(ABC):
         """Entries after each partition's position, read-only (see the contract); ``[]`` after ``block`` seconds."""
         raise NotImplementedError(f"{type(self).__name__} cannot be tailed")
 
+    def _checked(self, partitions: Sequence[int]) -> list[int]:
+        """``partitions`` without repeats, in order; ``ValueError`` for one out of ``0..partitions-1`` (every
+        backend's reads, claims and tails check their partitions the same way)."""
+        out: list[int] = []
+        for p in partitions:
+            if not 0 <= p < self.partitions:
+                raise ValueError(f"partition {p} out of range 0..{self.partitions - 1}")
+            if p not in out:
+                out.append(p)
+        return out
+
     def partition_of(self, event: CloudEvent) -> int:
         return partition_for(event.partitionkey, self.partitions)
 

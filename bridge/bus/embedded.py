@@ -698,14 +698,6 @@ class EmbeddedBus(EventBus):
             return sa.func.clock_timestamp() - sa.cast(sa.literal(f"{seconds:.6f} seconds"), sa.Interval())
         return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", f"-{seconds:.3f} seconds")
 
-    def _checked(self, partitions: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        for p in partitions:
-            if not 0 <= p < self.partitions:
-                raise ValueError(f"partition {p} out of range 0..{self.partitions - 1}")
-            if p not in out:
-                out.append(p)
-        return out
 
 
 def _group(name: str) -> str:

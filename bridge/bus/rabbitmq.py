@@ -1369,14 +1369,6 @@ class RabbitMQBus(EventBus):
 
     # ------------------------------------------------------------------ helpers
 
-    def _checked(self, partitions: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        for p in partitions:
-            if not 0 <= p < self.partitions:
-                raise ValueError(f"partition {p} out of range 0..{self.partitions - 1}")
-            if p not in out:
-                out.append(p)
-        return out
 
 
 def _ignore(*_args: Any) -> None:

@@ -844,17 +844,6 @@ class RedisStreamsBus(EventBus):
             if not self._cluster:
                 client.connection_pool.disconnect()
 
-    # ------------------------------------------------------------------ helpers
-
-    def _checked(self, partitions: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        for p in partitions:
-            if not 0 <= p < self.partitions:
-                raise ValueError(f"partition {p} out of range 0..{self.partitions - 1}")
-            if p not in out:
-                out.append(p)
-        return out
-
 
 def connect(url: str, *, socket_timeout: float = 30.0) -> tuple[Any, bool]:
     """A client for the Redis at ``url`` and whether it is a cluster: ``RedisCluster`` (which finds every

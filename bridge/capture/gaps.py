@@ -56,16 +56,18 @@ def gaps_between(conn: Connection, since: datetime, until: datetime) -> list[Cap
                             else sa.DateTime(timezone=True)) for t in (since, until))
     rows = conn.execute(sa.select(capture_gaps).where(c.detected_at >= low, c.detected_at < high)
                         .order_by(c.detected_at, c.id)).all()
-    return [CaptureGap(int(r.id), as_utc(r.detected_at) or r.detected_at, str(r.source), int(r.rederived),
-                       str(r.detail)) for r in rows]
+    return [_gap(r) for r in rows]
+
+
+def _gap(row: Any) -> CaptureGap:
+    return CaptureGap(int(row.id), as_utc(row.detected_at) or row.detected_at, str(row.source), int(row.rederived),
+                      str(row.detail))
 
 
 def gaps_after(conn: Connection, after_id: int) -> list[CaptureGap]:
     """The gaps recorded after id ``after_id`` (what a guardian has not reported yet), oldest first."""
     c = capture_gaps.c
-    rows = conn.execute(sa.select(capture_gaps).where(c.id > after_id).order_by(c.id)).all()
-    return [CaptureGap(int(r.id), as_utc(r.detected_at) or r.detected_at, str(r.source), int(r.rederived),
-                       str(r.detail)) for r in rows]
+    return [_gap(r) for r in conn.execute(sa.select(capture_gaps).where(c.id > after_id).order_by(c.id))]
 
 
 def last_gap_id(conn: Connection) -> int:

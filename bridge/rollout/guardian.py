@@ -346,13 +346,12 @@ class Guardian:
         with self._reader.connect() as conn:
             if self._last_gap is None:
                 gaps = gaps_between(conn, now - timedelta(seconds=self.settings.window), now)
+                # Older gaps than the window are not reported; newer ones than the last are, next time.
+                self._last_gap = max((g.id for g in gaps), default=None) or last_gap_id(conn)
             else:
                 gaps = gaps_after(conn, self._last_gap)
         if gaps:
             self._last_gap = max(g.id for g in gaps)
-        elif self._last_gap is None:
-            with self._reader.connect() as conn:
-                self._last_gap = last_gap_id(conn)
         for gap in gaps:
             self._gaps.inc()
             log.warning("capture gap at %s (%s): %s; promotion gates refuse windows that hold it",

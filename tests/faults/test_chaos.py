@@ -20,16 +20,18 @@ from tests.support.chaos import KINDS, ChaosOptions, log_tails, new_workdir, run
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
 
-def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str],
-                                                              record_property: Any) -> None:
-    if shutil.which("redis-server") is None:  # the faults need a Redis of their own to flush and restart
-        message = "redis-server is not installed (the chaos suite starts a private one to flush and restart)"
+def _chaos(pg_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], record_property: Any, *,
+           binaries: tuple[str, ...], seconds_env: str, seconds: str, bus: str) -> tuple[Any, str]:
+    """One chaos run (the seed from ``POLLBRIDGE_CHAOS_SEED``, its length from ``seconds_env``), said as it goes;
+    the report and the failure text. The faults need Redis servers of their own: without ``binaries`` the test
+    fails in CI and skips elsewhere."""
+    missing = [b for b in binaries if shutil.which(b) is None]
+    if missing:
+        message = f"{', '.join(missing)} not installed (the chaos suite starts a private Redis to flush and restart)"
         if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
     seed = os.environ.get("POLLBRIDGE_CHAOS_SEED")
-    seconds = float(os.environ.get("POLLBRIDGE_CHAOS_SECONDS", "60"))
     workdir = new_workdir(tmp_path)
 
     def say(line: str) -> None:
@@ -39,15 +41,22 @@ def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_p
         with capsys.disabled():  # the seed and the faults are worth seeing as they happen
             print(line, flush=True)
 
-    options = ChaosOptions(db_url=pg_url, workdir=workdir, seconds=seconds, seed=int(seed) if seed else None,
-                           settle_timeout=90, say=say)
+    options = ChaosOptions(db_url=pg_url, workdir=workdir, seconds=float(os.environ.get(seconds_env, seconds)),
+                           seed=int(seed) if seed else None, settle_timeout=90, say=say, bus=bus)
     report = run_chaos(options)
     record_property("figure_line", report.figure_line())
     say(report.figure_line())
     say(report.latency_line())
     for note in report.notes:
         say(f"note: {note}")
-    failure = "\n".join(report.problems) + f"\nseed {report.seed}; logs in {workdir}\n" + log_tails(workdir)
+    return report, "\n".join(report.problems) + f"\nseed {report.seed}; logs in {workdir}\n" + log_tails(workdir)
+
+
+def test_no_trigger_lost_doubled_or_early_under_random_faults(pg_url: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              record_property: Any) -> None:
+    report, failure = _chaos(pg_url, tmp_path, capsys, record_property, binaries=("redis-server",),
+                             seconds_env="POLLBRIDGE_CHAOS_SECONDS", seconds="60", bus="redis")
     assert report.ok, failure
     assert set(report.faults) == set(KINDS), f"a kind of fault was never injected: {report.faults}"
     assert report.tasks >= 300 and report.completed > report.tasks // 2, report.figure_line()
@@ -100,30 +109,8 @@ def test_no_trigger_lost_doubled_or_early_under_random_faults_on_a_redis_cluster
     """The same chaos on a private 3-primary, 3-replica Redis Cluster: its Redis faults SIGKILL a primary (its
     replica takes over; what replication had not copied is lost and found by the relay's epoch check) or FLUSHALL
     every primary. Shorter (``POLLBRIDGE_CHAOS_CLUSTER_SECONDS``, default 40) to keep CI's time."""
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        message = "redis-server/redis-cli are not installed (the chaos suite starts a private cluster)"
-        if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    seed = os.environ.get("POLLBRIDGE_CHAOS_SEED")
-    seconds = float(os.environ.get("POLLBRIDGE_CHAOS_CLUSTER_SECONDS", "40"))
-    workdir = new_workdir(tmp_path)
-
-    def say(line: str) -> None:
-        if os.environ.get("PYTEST_XDIST_WORKER"):
-            print(line, flush=True)
-            return
-        with capsys.disabled():
-            print(line, flush=True)
-
-    options = ChaosOptions(db_url=pg_url, workdir=workdir, seconds=seconds, seed=int(seed) if seed else None,
-                           settle_timeout=90, say=say, bus="redis-cluster")
-    report = run_chaos(options)
-    record_property("figure_line", report.figure_line())
-    say(report.figure_line())
-    for note in report.notes:
-        say(f"note: {note}")
-    failure = "\n".join(report.problems) + f"\nseed {report.seed}; logs in {workdir}\n" + log_tails(workdir)
+    report, failure = _chaos(pg_url, tmp_path, capsys, record_property, binaries=("redis-server", "redis-cli"),
+                             seconds_env="POLLBRIDGE_CHAOS_CLUSTER_SECONDS", seconds="40", bus="redis-cluster")
     assert report.ok, failure
     assert report.faults.get("redis:restart", 0) >= 1 and report.faults.get("redis:flushall", 0) >= 1, report.faults
     assert report.tasks >= 150 and report.completed > report.tasks // 2, report.figure_line()

@@ -11,7 +11,6 @@ committed before the connection died): it may be captured or not, but a confirme
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -127,14 +126,6 @@ def test_restarts_and_a_crash_lose_and_double_nothing(tmp_path: Path) -> None:
                                             "pg_current_wal_lsn() FROM pg_replication_slots")).all()
                 unpublished = conn.execute(sa.select(sa.func.count()).select_from(outbox)
                                            .where(outbox.c.published_at.is_(None))).scalar_one()
-            keep = os.environ.get("POLLBRIDGE_KEEP_LOGS")
-            if keep:
-                import shutil
-                shutil.copytree(tmp_path, keep, dirs_exist_ok=True)
-                Path(keep, "server.log").write_text(pg.log(10**7))
-                with engine.connect() as conn, open(Path(keep, "outbox.txt"), "w") as out:
-                    for row in conn.execute(sa.select(outbox).order_by(outbox.c.id)):
-                        out.write(repr(tuple(row)) + "\n")
             raise AssertionError(f"missing per task (first 10 each): { {t: m[:10] for t, m in missing.items()} }; "
                                  f"counts { {t: len(m) for t, m in missing.items()} }; slot {slot}; "
                                  f"unpublished outbox rows {unpublished}") from None
