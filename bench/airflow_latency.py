@@ -31,7 +31,8 @@ tasks that have an upstream (readiness = the latest upstream ``end_date``, from 
   decided tasks where pollbridge decided first;
 * the decision latency split in two: upstream end → the capture of the last upstream's completion (Airflow writing
   the state: ``created_at`` of its row in ``pollbridge_outbox``) and that capture → the decision (relay, bus and
-  scheduler: pollbridge's own part);
+  scheduler: pollbridge's own part), the latter split again at the relay's claim of the row (its ``published_at``):
+  the relay's wake-up, then the publish, the bus, the scheduler's read, evaluation and decision;
 * counts: tasks, matched decisions, Airflow's dispatches (every try it queued, from its tables), the legacy
   dispatches pollbridge recorded (``pollbridge_dispatch_log``, path ``poller``), all shadow decisions, and decisions
   for which Airflow dispatched no such try.
@@ -106,12 +107,12 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: Airflow's part (end_date → its write of the state) and pollbridge's (that write → the decision).
 BESIDE_SQL = FIRST_TRIES_CTE + """, ready AS (
   SELECT f.dag_id, f.run_id, f.task_id, f.map_index, f.scheduled_dttm, max(up.end_date) AS upstream_end,
-         max(c.captured_at) AS captured_at
+         max(c.captured_at) AS captured_at, max(c.published_at) AS published_at
     FROM first_try f
     JOIN pollbridge_airflow_edges e ON e.dag_version_id = f.dag_version_id AND e.task_id = f.task_id
     JOIN task_instance up ON up.dag_id = f.dag_id AND up.run_id = f.run_id AND up.task_id = e.upstream_task_id
     CROSS JOIN LATERAL (
-      SELECT min(o.created_at) AS captured_at FROM pollbridge_outbox o
+      SELECT min(o.created_at) AS captured_at, min(o.published_at) AS published_at FROM pollbridge_outbox o
        WHERE o.instance_id = up.dag_id || '/' || up.run_id AND o.task_key = up.task_id || '/' || up.map_index
          AND o.new_status IN ('success', 'skipped')
     ) c
@@ -121,7 +122,8 @@ SELECT r.dag_id, r.run_id, r.task_id, r.map_index,
        EXTRACT(EPOCH FROM r.scheduled_dttm - r.upstream_end)::float8,
        EXTRACT(EPOCH FROM d.decided_at - r.upstream_end)::float8,
        d.decisions,
-       EXTRACT(EPOCH FROM r.captured_at - r.upstream_end)::float8
+       EXTRACT(EPOCH FROM r.captured_at - r.upstream_end)::float8,
+       EXTRACT(EPOCH FROM r.published_at - r.upstream_end)::float8
   FROM ready r
   CROSS JOIN LATERAL (
     SELECT min(pd.decided_at) AS decided_at, count(*) AS decisions FROM pollbridge_decisions pd
@@ -354,6 +356,7 @@ class TaskTiming:
     decision_ms: float | None  # None: no shadow decision for attempt 1
     decisions: int
     captured_ms: float | None  # the last upstream's completion in pollbridge's outbox (None: not found)
+    published_ms: float | None = None  # ... and when the relay published it to the bus (None: not found)
 
     @property
     def ahead_ms(self) -> float | None:
@@ -380,8 +383,8 @@ def read_beside(rig: AirflowRig) -> tuple[list[TaskTiming], list[Dispatch], set[
                                           list[tuple[str, str, str, int, int]]]:
     """The task timings, Airflow's dispatches, the legacy dispatches pollbridge recorded and its shadow decisions."""
     timings = [TaskTiming(d, r, t, int(m), a * 1000, None if s is None else s * 1000, int(n),
-                          None if c is None else c * 1000)
-               for d, r, t, m, a, s, n, c in rig.query(BESIDE_SQL)]
+                          None if c is None else c * 1000, None if p is None else p * 1000)
+               for d, r, t, m, a, s, n, c, p in rig.query(BESIDE_SQL)]
     dispatches = rig.dispatches()
     recorded = {(*_split(i, k), int(a)) for i, k, a in rig.query(RECORDED_SQL)}
     decisions = [(*_split(i, k), -1 if a is None else int(a)) for i, k, a in rig.query(DECISIONS_SQL)]
@@ -441,6 +444,13 @@ def summarize(timings: Iterable[TaskTiming], dispatches: Iterable[Dispatch],
             "airflow_state_written": _spread([row.captured_ms for row in rows if row.captured_ms is not None]),
             "pollbridge_own": _spread([row.decision_ms - row.captured_ms for row in matched
                                        if row.decision_ms is not None and row.captured_ms is not None]),
+            # The own part split where the relay claims the row (its published_at, set by the claim just
+            # before the publish; in wal mode the batch's write): the relay's wake-up (capture -> claimed),
+            # then the publish, the bus, the scheduler's read, evaluation and decision (claimed -> decided).
+            "pollbridge_relay": _spread([row.published_ms - row.captured_ms for row in matched
+                                         if row.published_ms is not None and row.captured_ms is not None]),
+            "pollbridge_bus_and_scheduler": _spread([row.decision_ms - row.published_ms for row in matched
+                                                     if row.decision_ms is not None and row.published_ms is not None]),
             "pollbridge_first_share": round(sum(1 for a in ahead if a > 0) / len(ahead), 4) if ahead else None,
             "decided_before_upstream_end": sum(1 for row in matched if (row.decision_ms or 0) < 0),
             "per_dag": per_dag,
@@ -558,6 +568,11 @@ def print_beside(result: dict[str, Any]) -> None:
         print(f"  {regime}: upstream end -> Airflow wrote its state (captured) p50/p99 {_fmt(wrote['p50_ms'])} / "
               f"{_fmt(wrote['p99_ms'])} ms; captured -> shadow decision p50/p99 {_fmt(own['p50_ms'])} / "
               f"{_fmt(own['p99_ms'])} ms")
+        relay, rest = f.get("pollbridge_relay"), f.get("pollbridge_bus_and_scheduler")
+        if relay and rest:
+            print(f"  {regime}: of which captured -> claimed by the relay p50/p99 {_fmt(relay['p50_ms'])} / "
+                  f"{_fmt(relay['p99_ms'])} ms; claimed -> decided (publish, bus, evaluation, decision) p50/p99 "
+                  f"{_fmt(rest['p50_ms'])} / {_fmt(rest['p99_ms'])} ms")
     for regime, f in result["regimes"].items():
         print(f"  {regime}: pollbridge recorded {f['recorded_dispatches']} of Airflow's {f['airflow_dispatches']} "
               f"dispatches; {f['shadow_decisions']} shadow decisions, {f['decisions_without_airflow_dispatch']} "

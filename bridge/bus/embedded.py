@@ -297,13 +297,20 @@ class EmbeddedBus(EventBus):
         parts = self._read_args(group, partitions, count)
         if not parts:
             return []
+        return self._read(group, consumer, parts, count, block, None)
+
+    def _read(self, group: str, consumer: str, parts: list[int], count: int, block: float,
+              took_at: int | None) -> list[Delivery]:
+        """:meth:`read`; ``took_at``: the wake-up generation at which the caller's own take just found nothing
+        (its first take is then skipped: nothing was published since)."""
         deadline = time.monotonic() + max(block, 0.0)
         # On SQLite a take is a write transaction, found or not: look first, without the lock.
         known = not self._look_first
         key = (group, tuple(parts))
         while True:
-            seen = self._wakeup.generation
-            got = self._take(group, consumer, parts, count) \
+            seen = self._wakeup.generation if took_at is None else took_at
+            skip, took_at = took_at is not None, None
+            got = [] if skip else self._take(group, consumer, parts, count) \
                 if known or (self._look_due(key, seen) and self._look(key, seen, group, parts)) else []
             if got:
                 self._took(key, seen, len(got), count)
@@ -358,6 +365,24 @@ class EmbeddedBus(EventBus):
         """On SQLite the acknowledgements and the next take share one write transaction (the lock is taken
         once, not twice, per batch a draining consumer handles); elsewhere as :class:`EventBus` does."""
         ids = sorted({int(d.entry_id) for d in acks})
+        if ids and self._dialect == "postgresql":
+            # The acknowledgements go with the first take (one statement once the group's rows are known).
+            parts = self._read_args(group, partitions, count)
+            if not parts:
+                self.ack_ids(group, ids)
+                return []
+            seen = self._wakeup.generation
+            try:
+                got = self._take(group, consumer, parts, count, ids)
+            except Exception:
+                with contextlib.suppress(Exception):  # made on their own, as the contract has them made
+                    self.ack_ids(group, ids)
+                raise
+            if got:
+                self._took((group, tuple(parts)), seen, len(got), count)
+                return got
+            # Nothing: wait for a publish (no second take at once; nothing was published since ``seen``).
+            return self._read(group, consumer, parts, count, block, seen)
         if not ids or not self._look_first:
             return super().ack_and_read(group, acks, consumer, partitions, count, block)
         parts = self._read_args(group, partitions, count)
@@ -399,10 +424,33 @@ class EmbeddedBus(EventBus):
         else:
             self._looked.pop(key, None)
 
-    def _take(self, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
-        """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction."""
+    def _take(self, group: str, consumer: str, parts: list[int], count: int,
+              acks: Sequence[int] = ()) -> list[Delivery]:
+        """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction
+        (on PostgreSQL, once the group's rows are known, one statement: :data:`_PG_TAKE`). ``acks``: entry ids
+        acknowledged in the same transaction (PostgreSQL's one statement only; the caller acknowledges them
+        otherwise)."""
+        key = (group, tuple(parts))
+        if self._dialect == "postgresql" and key in self._groups_present:
+            return self._take_pg(group, consumer, parts, count, acks)
+        if acks:
+            self.ack_ids(group, list(acks))
         with self._bookkeeping.begin() as conn:
             return self._take_in(conn, group, consumer, parts, count)
+
+    def _take_pg(self, group: str, consumer: str, parts: list[int], count: int,
+                 acks: Sequence[int]) -> list[Delivery]:
+        """PostgreSQL: acknowledge ``acks`` and take, in one autocommit statement. Measured beside Airflow, the
+        take as six round trips (a pool ping, BEGIN, the offsets locked, the log read, the pending rows, the
+        offsets advanced, COMMIT) took 4 ms p50 of every shadow decision's latency on a loaded machine, and an
+        acknowledgement as many again."""
+        with self._bookkeeping.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            rows = conn.execute(_PG_TAKE, {"b_group": group, "b_parts": parts, "b_count": count,
+                                           "b_consumer": consumer, "b_acks": sorted(acks)}).all()
+        if not rows or int(rows[0].groups) < len(parts):
+            # A group row went (another bus emptied the bus: purge_all): the next take registers it again.
+            self._groups_present.discard((group, tuple(parts)))
+        return [_delivery(r.id, r.partition, r.payload, 1) for r in rows if r.id is not None]
 
     def _take_in(self, conn: Connection, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
         """:meth:`_take` inside the caller's write transaction."""
@@ -487,7 +535,10 @@ class EmbeddedBus(EventBus):
     # ------------------------------------------------------------------ acknowledging and redelivery
 
     def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
-        ids = sorted({int(d.entry_id) for d in deliveries})
+        self.ack_ids(group, sorted({int(d.entry_id) for d in deliveries}))
+
+    def ack_ids(self, group: str, ids: list[int]) -> None:
+        """:meth:`ack` by entry ids."""
         if not ids:
             return
         with self._bookkeeping.begin() as conn:
@@ -731,6 +782,40 @@ _UNDELIVERED = sa.select(
            bus_groups.c.partition.in_(sa.bindparam("b_parts", expanding=True))).scalar_subquery(),
     sa.exists(_TAKE_AFTER_OFFSETS.with_only_columns(bus_log.c.id).order_by(None).limit(None)),
 )
+#: PostgreSQL: a take in one statement (autocommit, so atomic on its own): the group's offsets in partitions
+#: ``b_parts`` locked in partition order (as the multi-statement take locks them: two consumers never
+#: deadlock; one that waited reads the offsets its predecessor committed), up to ``b_count`` entries after
+#: them oldest first (each partition through its (partition, id) index), recorded as pending for
+#: ``b_consumer``, the offsets advanced, and the entries ``b_acks`` acknowledged. One row per entry, plus
+#: ``groups`` (how many of the partitions have a group row: fewer means the rows must be inserted again); a
+#: single row with a NULL id when nothing was taken.
+_PG_TAKE = sa.text("""
+WITH off AS (
+    SELECT partition, last_delivered_id FROM pollbridge_bus_groups
+     WHERE group_name = :b_group AND partition = ANY(:b_parts)
+     ORDER BY partition FOR UPDATE
+), acked AS (
+    DELETE FROM pollbridge_bus_pending WHERE group_name = :b_group AND entry_id = ANY(:b_acks)
+), taken AS (
+    SELECT entry.id, entry.partition, entry.payload
+      FROM off CROSS JOIN LATERAL (
+           SELECT l.id, l.partition, l.payload FROM pollbridge_bus_log AS l
+            WHERE l.partition = off.partition AND l.id > off.last_delivered_id
+            ORDER BY l.id LIMIT :b_count) AS entry
+     ORDER BY entry.id LIMIT :b_count
+), pending AS (
+    INSERT INTO pollbridge_bus_pending (group_name, entry_id, partition, consumer, delivered_at, deliveries)
+    SELECT :b_group, id, partition, :b_consumer, clock_timestamp(), 1 FROM taken
+), advanced AS (
+    UPDATE pollbridge_bus_groups AS g SET last_delivered_id = m.last
+      FROM (SELECT partition, max(id) AS last FROM taken GROUP BY partition) AS m
+     WHERE g.group_name = :b_group AND g.partition = m.partition
+)
+SELECT t.id, t.partition, t.payload, c.groups
+  FROM (SELECT count(*) AS groups FROM off) AS c LEFT JOIN taken AS t ON true
+ ORDER BY t.id
+""").bindparams(sa.bindparam("b_parts", type_=postgresql.ARRAY(sa.Integer)),
+                sa.bindparam("b_acks", type_=postgresql.ARRAY(sa.BigInteger)))
 #: A group's offset in one partition moved to the last entry delivered.
 _ADVANCE_OFFSET = (
     bus_groups.update()
