@@ -305,9 +305,13 @@ class Evaluator:
             else:
                 with self.engine.begin() as wconn:
                     result.skipped.extend(skip_many(wconn, self.tables, skips))
-        ready.extend((task, "shadow") for task in self._taken(conn, rows, scopes))
         if ready:
             self._act(conn, ready, trace_ids, result, facts)
+        # The lost races after the decisions found ready: their statement is not in those decisions' latency
+        # (beside Airflow it was 2.6 ms p50 of a 10 ms handling, on a loaded machine).
+        taken = [(task, "shadow") for task in self._taken(conn, rows, scopes)]
+        if taken:
+            self._act(conn, taken, trace_ids, result, facts)
         return result
 
     def _taken(self, conn: Connection, rows: Sequence[Any], scopes: Mapping[str, Scope | None]) -> list[ReadyTask]:

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -71,7 +72,7 @@ from bridge.core.errors import first_line
 from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.idle import MAX_IDLE_POLL, idle_poll
 from bridge.db.changes import TopicView, changes_of, mark_about
-from bridge.db.engine import about, db_now, quiet, read_only
+from bridge.db.engine import about, db_now, discard, quiet, read_only
 from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
 #: First key of the PostgreSQL advisory locks that order publishes per partition (the second key
@@ -203,6 +204,10 @@ class EmbeddedBus(EventBus):
         self._groups_present: set[tuple[str, tuple[int, ...]]] = set()
         self._insert_pending = bus_pending.insert().values(delivered_at=db_now(self._dialect))
         self._last_delivery = time.monotonic()
+        #: PostgreSQL: each reading thread's kept autocommit connection for its takes (:meth:`_take_pg`), let go
+        #: when the thread ends or the bus closes.
+        self._kept = threading.local()
+        self._kept_all: weakref.WeakSet[_Kept] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"EmbeddedBus({self._engine.url.render_as_string(hide_password=True)}, partitions={self.partitions})"
@@ -444,9 +449,20 @@ class EmbeddedBus(EventBus):
         take as six round trips (a pool ping, BEGIN, the offsets locked, the log read, the pending rows, the
         offsets advanced, COMMIT) took 4 ms p50 of every shadow decision's latency on a loaded machine, and an
         acknowledgement as many again."""
-        with self._bookkeeping.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            rows = conn.execute(_PG_TAKE, {"b_group": group, "b_parts": parts, "b_count": count,
-                                           "b_consumer": consumer, "b_acks": sorted(acks)}).all()
+        kept: _Kept | None = getattr(self._kept, "holder", None)
+        if kept is None or kept.conn is None:
+            # Kept per thread: a pool checkout per take would add the pool's ping, a round trip and a
+            # transaction of its own, to every take.
+            kept = _Kept(self._bookkeeping.connect().execution_options(isolation_level="AUTOCOMMIT"))
+            self._kept.holder = kept
+            self._kept_all.add(kept)
+        assert kept.conn is not None
+        try:
+            rows = kept.conn.execute(_PG_TAKE, {"b_group": group, "b_parts": parts, "b_count": count,
+                                                "b_consumer": consumer, "b_acks": sorted(acks)}).all()
+        except BaseException:
+            kept.release()
+            raise
         if not rows or int(rows[0].groups) < len(parts):
             # A group row went (another bus emptied the bus: purge_all): the next take registers it again.
             self._groups_present.discard((group, tuple(parts)))
@@ -738,7 +754,9 @@ class EmbeddedBus(EventBus):
         return EMBEDDED_EPOCH
 
     def close(self) -> None:
-        """Nothing to close: the engine belongs to the caller."""
+        """The kept connections of the takes go; the engine belongs to the caller."""
+        for kept in list(self._kept_all):
+            kept.release()
 
     # ------------------------------------------------------------------ helpers
 
@@ -749,6 +767,23 @@ class EmbeddedBus(EventBus):
             return sa.func.clock_timestamp() - sa.cast(sa.literal(f"{seconds:.6f} seconds"), sa.Interval())
         return sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", f"-{seconds:.3f} seconds")
 
+
+
+class _Kept:
+    """A reading thread's kept connection (PostgreSQL takes): let go when the thread ends (its thread-local
+    holder is collected), when the bus closes, or after a failure (the next take opens another)."""
+
+    __slots__ = ("__weakref__", "conn")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn: Connection | None = conn
+
+    def release(self) -> None:
+        conn, self.conn = self.conn, None
+        discard(conn)
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def _group(name: str) -> str:

@@ -8,11 +8,13 @@ notification. Then: with no reader waiting, the listener closes its connection.
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
+from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Engine
 
 from bridge.bus import embedded
@@ -81,3 +83,44 @@ def test_a_publish_wakes_an_idle_reader_of_another_process(engines: tuple[Engine
 
     # No reader waits any more: the listener lets its connection go.
     wait_for(lambda: not reader._wakeup.listening, 10.0, what="the idle listener to close")
+
+
+def test_a_take_is_one_statement_on_a_kept_connection_let_go_with_its_thread(
+        engines: tuple[Engine, Engine]) -> None:
+    """On PostgreSQL a reading thread keeps one connection for its takes (no pool checkout, ping and
+    transaction per take) and a take, once the group is known, is one statement that also carries the previous
+    batch's acknowledgements; the connection goes back when the thread ends, and with the bus."""
+    engine, _ = engines
+    bus = EmbeddedBus(engine, partitions=2)
+    bus.ensure_group("g")
+    bus.publish([_event(), _event()])
+    statements: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    got: list[list[Delivery]] = []
+
+    def reader() -> None:
+        got.append(bus.read("g", "c", [0, 1], 1, 0.0))  # the first take registers the group's rows
+        sa_event.listen(engine, "before_cursor_execute", count)
+        try:
+            got.append(bus.ack_and_read("g", got[0], "c", [0, 1], 1, 0.0))
+        finally:
+            sa_event.remove(engine, "before_cursor_execute", count)
+        checked_out.append(engine.pool.checkedout())
+
+    checked_out: list[int] = []
+    thread = threading.Thread(target=reader)
+    thread.start()
+    thread.join(30)
+    assert [len(g) for g in got] == [1, 1]
+    assert len(statements) == 1, statements  # no ping, no BEGIN: the take with the acknowledgement
+    assert bus.pending_count("g") == 1  # the first entry acknowledged by that statement, the second pending
+    assert checked_out == [1]  # the thread's kept connection, while it ran
+    gc.collect()
+    assert engine.pool.checkedout() == 0  # let go with its thread
+    bus.read("g", "c", [0, 1], 1, 0.0)
+    assert engine.pool.checkedout() == 1
+    bus.close()
+    assert engine.pool.checkedout() == 0
