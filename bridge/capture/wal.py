@@ -27,8 +27,13 @@ one whose task is not in the cache is captured as a status change with no old st
 and the dispatch evidence treat as they treat any: the event names the instance to look at). A new primary
 key is an ``identity`` change. Deletes are not captured (the trigger never captured them either).
 
-Not yet supported in this mode (refused by ``init`` and ``doctor`` in one line): ``[[mapping.related]]``
-tables, and captured columns that only the read view has.
+**Related tables and the read view.** The publication carries the ``[[mapping.related]]`` tables too. A change
+of a related row (an insert, or an update of a ``watch`` column: skipped only when the old values are known, as
+for task rows) is written as a status change of every task row the read view shows with matching columns, its
+status as read then and no old status, as the related trigger writes it; a captured column that only the read
+view has (a status joined from another table) is read through the view by the task's id. Both reads come after
+the batch's commits are visible, in the batch's transaction. A table without a replica identity (no primary key)
+is refused by ``init`` and ``doctor`` in one line: PostgreSQL would refuse every UPDATE of it once published.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from bridge.capture.pgoutput import (
     lsn_text,
 )
 from bridge.capture.queries import INVISIBLE_XIDS_SQL, event_payload_sql
-from bridge.capture.triggers import CAPTURED, WATCHED, capture_status, capture_target
+from bridge.capture.triggers import CAPTURED, WATCHED, capture_status, capture_target, related_targets
 from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
@@ -73,7 +78,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import discard
 from bridge.db.schema import capture_state as capture_state_table
 from bridge.db.schema import outbox
-from bridge.tasktable.queries import spawn_depths
+from bridge.tasktable.queries import spawn_depths, type_of_row
 from bridge.tasktable.tables import TaskTable
 
 log = logging.getLogger(__name__)
@@ -107,24 +112,60 @@ _EVENT_NAMESPACE = uuid.UUID("6f1c2a8e-3b51-4d0e-9a57-1f2b9c7d4e10")
 # --- installing -----------------------------------------------------------------------------------------
 
 def captured_columns(conn: Connection, tt: TaskTable) -> list[str]:
-    """The task-table columns the publication carries. Raises :class:`MappingMismatch` (one line) for what
-    this mode does not support yet."""
+    """The task-table columns the capture reads from the log (the others are read through the read view by id
+    when a change is written). Raises :class:`MappingMismatch` (one line) for what this mode cannot capture:
+    a table the publication would make PostgreSQL refuse updates of (see :func:`_replica_identity_problem`)."""
     if conn.dialect.name != "postgresql":
         raise MappingMismatch("[capture] mode = 'wal' needs PostgreSQL (SQLite has no write-ahead log to read); "
                               "use mode = 'trigger'")
-    if tt.mapping.related:
-        raise MappingMismatch("[capture] mode = 'wal' does not capture [[mapping.related]] tables yet; use mode = "
-                              "'trigger' for this mapping")
     target = capture_target(conn, tt)
+    related = related_targets(conn, tt)
+    for name, schema in [(tt.mapping.table, tt.mapping.schema), *((r.table, r.schema) for r, _ in related)]:
+        problem = _replica_identity_problem(conn, name, schema)
+        if problem:
+            raise MappingMismatch(problem)
+    status = tt.mapping.columns.status
+    for r, table in related:
+        for task_column, related_column in r.columns:
+            if related_column not in table.c:
+                raise MappingMismatch(f"column {related_column!r} (mapping.related {r.table!r} columns) does not exist "
+                                      f"in table {r.table!r}")
+            if task_column not in tt.tasks.c:
+                raise MappingMismatch(f"column {task_column!r} (mapping.related {r.table!r} columns) is not a column "
+                                      f"of the task rows pollbridge reads ({tt.tasks.name!r})")
+    if related and status not in target.c and not any(status in dict(r.columns) for r, _ in related):
+        # The view takes the status from a related table: read after the commit, a dispatch followed at once by
+        # the start would be read as running, and a foreign scheduler's dispatch would be missed as evidence.
+        raise MappingMismatch(f"[capture] mode = 'wal' needs the status column {status!r} from the change itself: "
+                              "set columns = {" + status + " = \"<its column>\"} in the [[mapping.related]] table "
+                              "the read view takes it from, or use mode = 'trigger'")
     columns: list[str] = []
     for logical in CAPTURED:
         for column in tt.mapping.columns.parts(logical):
-            if column not in target.c:
-                raise MappingMismatch(f"[capture] mode = 'wal' reads column {column!r} (mapping.columns.{logical}) "
-                                      f"from table {tt.mapping.table!r}, which lacks it; use mode = 'trigger'")
-            if column not in columns:
+            if column in target.c and column not in columns:
                 columns.append(column)
     return columns
+
+
+def _replica_identity_problem(conn: Connection, table: str, schema: str | None) -> str | None:
+    """Why ``table`` cannot be published (one line), or None. PostgreSQL refuses every UPDATE of a table that
+    publishes updates without a replica identity ("cannot update table ... because it does not have a replica
+    identity and publishes updates"): a table without a primary key (or ``REPLICA IDENTITY NOTHING``) in the
+    publication would fail the scheduler's writes, which capture must never do."""
+    prep = conn.dialect.identifier_preparer
+    qualified = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+    row = conn.execute(sa.text(
+        "SELECT c.relreplident, EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid "
+        "AND (i.indisprimary OR i.indisreplident)) FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(:t)"),
+        {"t": qualified}).first()
+    if row is None:
+        return None  # missing: capture_target and related_targets say so
+    identity, indexed = str(row[0]), bool(row[1])
+    if identity == "f" or (identity in ("d", "i") and indexed):
+        return None
+    return (f"[capture] mode = 'wal' cannot publish table {table!r}: it has no primary key or replica identity, so "
+            "PostgreSQL would refuse every UPDATE of it once published; give it a primary key (or ALTER TABLE ... "
+            "REPLICA IDENTITY FULL), or use mode = 'trigger'")
 
 
 def settings_problems(conn: Connection) -> list[str]:
@@ -165,8 +206,16 @@ def install_publication(conn: Connection, tt: TaskTable) -> None:
     updates); the capture reads the mapped columns of each row and ignores the rest."""
     captured_columns(conn, tt)  # what this mode cannot capture is refused, in one line
     conn.exec_driver_sql(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
-    conn.exec_driver_sql(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {_qualified(conn, tt)} "
+    conn.exec_driver_sql(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {', '.join(published_tables(conn, tt))} "
                          "WITH (publish = 'insert, update')")
+
+
+def published_tables(conn: Connection, tt: TaskTable) -> list[str]:
+    """The tables the publication carries, as SQL names: the task table, then each ``[[mapping.related]]``
+    table (a change of one is a status change of the task rows that match it)."""
+    prep = conn.dialect.identifier_preparer
+    return [_qualified(conn, tt), *(f"{prep.quote_schema(r.schema)}.{prep.quote(r.table)}" if r.schema
+                                    else prep.quote(r.table) for r in tt.mapping.related)]
 
 
 def ensure_slot(engine: Engine) -> bool:
@@ -181,9 +230,10 @@ def ensure_slot(engine: Engine) -> bool:
 
 
 def lock_task_table(conn: Connection, tt: TaskTable) -> None:
-    """Hold the task table against writes until the caller's transaction ends (a switch's transaction: no
-    write commits while the capture changes hands, so the mark separates the two exactly)."""
-    conn.exec_driver_sql(f"LOCK TABLE {_qualified(conn, tt)} IN SHARE ROW EXCLUSIVE MODE")
+    """Hold the task table (and the ``[[mapping.related]]`` tables) against writes until the caller's transaction
+    ends (a switch's transaction: no write commits while the capture changes hands, so the mark separates the
+    two exactly)."""
+    conn.exec_driver_sql(f"LOCK TABLE {', '.join(published_tables(conn, tt))} IN SHARE ROW EXCLUSIVE MODE")
 
 
 def mark_switch(conn: Connection, mode: str) -> int:
@@ -314,6 +364,16 @@ def wal_status(conn: Connection, tt: TaskTable) -> tuple[bool, str]:
         {"p": PUBLICATION, "t": _qualified(conn, tt)}).first()
     if published is None:
         return False, f"publication {PUBLICATION} of {tt.mapping.table!r} missing; run `pollbridge init`"
+    for related in tt.mapping.related:
+        prep = conn.dialect.identifier_preparer
+        name = f"{prep.quote_schema(related.schema)}.{prep.quote(related.table)}" if related.schema \
+            else prep.quote(related.table)
+        if conn.exec_driver_sql(
+                "SELECT 1 FROM pg_catalog.pg_publication_rel pr JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid "
+                "WHERE p.pubname = %(p)s AND pr.prrelid = to_regclass(%(t)s)", {"p": PUBLICATION, "t": name}).first() \
+                is None:
+            return False, (f"publication {PUBLICATION} does not carry the related table {related.table!r} "
+                           "(mapping.related); run `pollbridge init`")
     if published[0]:
         return False, (f"publication {PUBLICATION} has a column list ({len(columns)} columns; an older pollbridge's): "
                        f"REPLICA IDENTITY FULL on {tt.mapping.table!r} would then fail every update of it; run "
@@ -381,6 +441,8 @@ class WalCapture:
         #: Batches that had to wait for a decoded commit to become visible (:meth:`_await_visible`).
         self.invisible_waits = 0
         self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
+        #: The same for the rows of the ``[[mapping.related]]`` tables: (related index, replica identity key).
+        self._seen_related: OrderedDict[tuple[int, tuple[Value, ...]], tuple[Value, ...]] = OrderedDict()
         self.confirmed_lsn = 0
         self.captured = 0
         self._conn: Connection | None = None
@@ -394,8 +456,14 @@ class WalCapture:
         self.rederived = 0
         with engine.connect() as conn:
             self.slot = slot_name(conn)
+            base = set(capture_target(conn, tables).c.keys())
         cols = tables.mapping.columns
-        self._watched = [(kind, column) for kind, logical in WATCHED if (column := getattr(cols, logical))]
+        # Only the captured table's own columns can be compared (a joined status changes with its related table).
+        self._watched = [(kind, column) for kind, logical in WATCHED
+                         if (column := getattr(cols, logical)) and column in base]
+        #: Whether some captured column is only in the read view: each change's values are then read through it.
+        self._fill = any(column not in base for logical in CAPTURED for column in cols.parts(logical))
+        self._view_statements: dict[tuple[str, ...], sa.Select[Any]] = {}
         self._insert = self._insert_statement()
         self._facts_statement = self._build_facts_statement()
 
@@ -429,7 +497,11 @@ class WalCapture:
             rows = (self._txn or []) if inside else []
             for row in rows:
                 row["created_at"] = message.commit_time
-                row["event_id"] = str(uuid.uuid5(_EVENT_NAMESPACE, f"{message.commit_lsn}:{row.pop('pb_n')}"))
+                seed = f"{message.commit_lsn}:{row.pop('pb_n')}"
+                if "pb_related" in row:  # its task rows' event ids are derived from it when it is written
+                    row["pb_seed"] = seed
+                else:
+                    row["event_id"] = str(uuid.uuid5(_EVENT_NAMESPACE, seed))
             self.pending.rows += rows
             if rows:
                 self.pending.xids.append(self._xid)
@@ -441,10 +513,23 @@ class WalCapture:
             self.start_lsn, self.stop_lsn = bounds(conn)
         self._reload_bounds = False
 
+    def _target(self, relation: Relation) -> int | None:
+        """-1 for the task table, the index of a ``[[mapping.related]]`` table, or None (not captured)."""
+        m = self.tables.mapping
+        for index, (schema, table) in enumerate([(m.schema, m.table), *((r.schema, r.table) for r in m.related)]):
+            if relation.name == table and (schema is None or relation.namespace == schema):
+                return index - 1
+        return None
+
     def _row(self, change: Change, n: int) -> dict[str, Any] | None:
         relation = self.relations.get(change.relid)
         if relation is None or change.kind == "delete" or change.new is None:
             return None
+        target = self._target(relation)
+        if target is None:
+            return None
+        if target >= 0:
+            return self._related_row(relation, target, change, n)
         names = [c.name for c in relation.columns]
         new = dict(zip(names, change.new, strict=False))
         old = dict(zip(names, change.old, strict=False)) if change.old is not None else None
@@ -464,7 +549,8 @@ class WalCapture:
             elif remembered is not None:
                 before = list(remembered)
             if before is not None:
-                before[[c for _, c in self._watched].index(cols.id)] = old_id
+                watched = [c for _, c in self._watched]
+                before[watched.index(cols.id)] = old_id
                 # The first watched column that changed names the kind, as in the trigger; an unchanged
                 # TOASTed value travels as "unchanged": it did not change.
                 changed = [k for (k, _), a, b in zip(self._watched, before, watched_now, strict=True)
@@ -473,7 +559,7 @@ class WalCapture:
                     self._remember(task_id, watched_now)
                     return None
                 kind = changed[0]
-                old_status = before[[c for _, c in self._watched].index(cols.status)]
+                old_status = before[watched.index(cols.status)] if cols.status in watched else None
             else:
                 kind = "identity" if old_id != task_id else "status"  # not remembered: the status may have moved
         self._remember(task_id, watched_now)
@@ -489,16 +575,55 @@ class WalCapture:
             "change": kind,
             "old_status": None if old_status is UNCHANGED else old_status,
             "new_status": None if status is UNCHANGED else status,
-            "attempt": int(attempt) if isinstance(attempt, str) and attempt.isdigit() and len(attempt) < 10 else None,
-            "depth": int(depth) if isinstance(depth, str) and depth.isdigit() and len(depth) < 10 else None,
+            "attempt": _small_int(attempt),
+            "depth": _small_int(depth),
             "trace_id": uuid.uuid4().hex,
+            # Values only the read view has (a status joined from another table): read through it when written.
+            **({"pb_fill": True} if self._fill else {}),
         }
+
+    def _related_row(self, relation: Relation, index: int, change: Change, n: int) -> dict[str, Any] | None:
+        """A change of a ``[[mapping.related]]`` row: a marker that becomes, when written, a status change of every
+        task row (read through the read view) whose match columns equal the row's, as the related trigger writes
+        (:data:`pb_related`, :data:`pb_match`: the related columns' values, as text, in match order). An update
+        that changed no ``watch`` column is skipped when the old values are known (the ones last seen for the
+        row's replica identity key, or the whole old row under ``REPLICA IDENTITY FULL``)."""
+        related = self.tables.mapping.related[index]
+        names = [c.name for c in relation.columns]
+        new = dict(zip(names, change.new or (), strict=False))
+        key = (index, tuple(new.get(c.name) for c in relation.columns if c.key))
+        watched_now = tuple(new.get(c) for c in related.watch)
+        if change.kind == "update":
+            before: tuple[Value, ...] | None = None
+            if change.old is not None and change.old_full:
+                old = dict(zip(names, change.old, strict=False))
+                before = tuple(old.get(c) for c in related.watch)
+            else:
+                before = self._seen_related.get(key)
+            if before is not None and not any(b is not UNCHANGED and a != b
+                                              for a, b in zip(before, watched_now, strict=True)):
+                self._remember_related(key, watched_now)
+                return None
+        self._remember_related(key, watched_now)
+        match = tuple(new.get(column) for _, column in related.match)
+        if any(v is None or v is UNCHANGED for v in match):
+            return None  # a NULL matches no task row (and an unchanged TOASTed key is not a key)
+        # The values the view takes from this row, as they were at this change (mapping.related.columns).
+        values = {task_column: new.get(related_column) for task_column, related_column in related.columns
+                  if new.get(related_column) is not UNCHANGED}
+        return {"pb_n": n, "pb_related": index, "pb_match": tuple(_text(v) for v in match), "pb_values": values}
 
     def _remember(self, task_id: str, values: tuple[Value, ...]) -> None:
         self._seen[task_id] = values
         self._seen.move_to_end(task_id)
         if len(self._seen) > SEEN_CACHE:
             self._seen.popitem(last=False)
+
+    def _remember_related(self, key: tuple[int, tuple[Value, ...]], values: tuple[Value, ...]) -> None:
+        self._seen_related[key] = values
+        self._seen_related.move_to_end(key)
+        if len(self._seen_related) > SEEN_CACHE:
+            self._seen_related.popitem(last=False)
 
     # --- writing ---------------------------------------------------------------------------------------
     def _insert_statement(self) -> Any:
@@ -532,7 +657,9 @@ class WalCapture:
             conn = self._conn
             try:
                 with conn.begin():
-                    self._await_visible(conn, rows, self.pending.xids)
+                    self._await_visible(conn, [r for r in rows if "pb_related" not in r], self.pending.xids)
+                    if self._fill or self.tables.mapping.related:
+                        rows = self._through_view(conn, rows)
                     if self.tables.has("spawned_by"):  # the causation depth the events carry, from the chain
                         depths = spawn_depths(conn, self.tables, [r["task_id"] for r in rows])
                         for r in rows:
@@ -540,7 +667,7 @@ class WalCapture:
                     params = {f"pb_{n}": [r[n] for r in rows] for n in (
                         "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
                         "new_status", "attempt", "depth", "trace_id", "created_at")}
-                    written = conn.execute(self._insert, params).all()
+                    written = conn.execute(self._insert, params).all() if rows else []
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
                     self.bus.publish_in(conn, [encoded_event(r.event_id, r.instance_id, r.task_id, r.payload)
@@ -552,6 +679,71 @@ class WalCapture:
         self.confirmed_lsn = max(self.confirmed_lsn, end_lsn)
         self.captured += len(rows)
         return len(rows)
+
+    def _through_view(self, conn: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The batch's rows as written, in order (its commits visible already): a task change with values only
+        the read view has gets them from it (dropped if the view does not show its row, as the trigger's read
+        through the view finds nothing); a related change becomes a status change of each task row that
+        matches it, its status as read now, no old status (as the related trigger writes it)."""
+        cols = self.tables.mapping.columns
+        fill = [r for r in rows if r.get("pb_fill")]
+        filled = {v.pb_k0: v for v in self._view_rows(conn, (cols.id,), [(r["task_id"],) for r in fill])} \
+            if fill else {}
+        matched: dict[tuple[int, tuple[str, ...]], list[Any]] = {}
+        for index, related in enumerate(self.tables.mapping.related):
+            keys = sorted({r["pb_match"] for r in rows if r.get("pb_related") == index})
+            if keys:
+                columns = tuple(task_column for task_column, _ in related.match)
+                for v in self._view_rows(conn, columns, keys):
+                    matched.setdefault((index, tuple(getattr(v, f"pb_k{i}") for i in range(len(columns)))),
+                                       []).append(v)
+        out: list[dict[str, Any]] = []
+        for r in rows:
+            if "pb_related" in r:
+                at_change = r["pb_values"]
+                for v in matched.get((r["pb_related"], r["pb_match"]), []):
+                    values = _view_values(v)
+                    if cols.status in at_change:
+                        values["new_status"] = at_change[cols.status]
+                    if cols.attempts and cols.attempts in at_change:
+                        values["attempt"] = _small_int(at_change[cols.attempts])
+                    if cols.depth and cols.depth in at_change:
+                        values["depth"] = _small_int(at_change[cols.depth])
+                    out.append({**values, "event_id": str(uuid.uuid5(_EVENT_NAMESPACE, f"{r['pb_seed']}:{v.task_id}")),
+                                "change": "status", "old_status": None, "trace_id": uuid.uuid4().hex,
+                                "created_at": r["created_at"]})
+            elif r.get("pb_fill"):
+                v = filled.get(r["task_id"])
+                if v is not None:
+                    out.append({**r, **_view_values(v)})
+            else:
+                out.append(r)
+        return out
+
+    def _view_rows(self, conn: Connection, columns: tuple[str, ...], keys: Sequence[tuple[str, ...]]) -> list[Any]:
+        """The task rows of the read view whose ``columns`` equal one of ``keys`` (text, cast to each column's
+        type), with the values an outbox row carries and the key they matched (``pb_k0``…)."""
+        statement = self._view_statements.get(columns)
+        if statement is None:
+            tt = self.tables
+            t = tt.tasks
+            arrays = [sa.bindparam(f"pb_k{i}", type_=postgresql.ARRAY(sa.Text)) for i in range(len(columns))]
+            keyed = sa.func.unnest(*arrays).table_valued(
+                *(sa.column(f"pb_k{i}", sa.Text) for i in range(len(columns)))).render_derived(name="pb_m")
+            on = sa.and_(*(t.c[c] == sa.cast(keyed.c[f"pb_k{i}"], t.c[c].type) for i, c in enumerate(columns)))
+
+            def text(logical: str) -> Any:
+                return sa.cast(tt.col(logical, t), sa.Text) if tt.has(logical) else sa.null()
+            statement = (sa.select(sa.cast(tt.col("id", t), sa.Text).label("task_id"),
+                                   tt.key_text("instance_id", t).label("instance_id"),
+                                   tt.key_text("task_key", t).label("task_key"),
+                                   sa.cast(type_of_row(tt, t), sa.Text).label("workflow_type"),
+                                   text("status").label("status"), text("attempts").label("attempt"),
+                                   text("depth").label("depth"),
+                                   *(keyed.c[f"pb_k{i}"] for i in range(len(columns))))
+                         .select_from(t.join(keyed, on)).order_by(tt.col("id", t)))
+            self._view_statements[columns] = statement
+        return list(conn.execute(statement, {f"pb_k{i}": [k[i] for k in keys] for i in range(len(columns))}))
 
     def _await_visible(self, conn: Connection, rows: Sequence[dict[str, Any]], xids: Sequence[int]) -> None:
         """Until every transaction of the batch is visible to this connection's statements (and so to every
@@ -657,6 +849,7 @@ class WalCapture:
         self.pending = _Pending(end_lsn=self.confirmed_lsn)
         self._txn = None
         self._seen.clear()
+        self._seen_related.clear()
 
     def recover_slot(self) -> int:
         """The slot was dropped or invalidated (the WAL it needed was removed): what changed in between is not
@@ -831,6 +1024,18 @@ def _slot_gone(exc: BaseException) -> bool:
     text = str(exc)
     return ("replication slot" in text and "does not exist" in text) or "has been invalidated" in text \
         or "can no longer get changes from replication slot" in text
+
+
+def _small_int(text: Any) -> int | None:
+    """An attempt or depth decoded as text: an int when it is a plain non-negative one that fits, else None."""
+    return int(text) if isinstance(text, str) and text.isdigit() and len(text) < 10 else None
+
+
+def _view_values(v: Any) -> dict[str, Any]:
+    """The outbox values of a task row read through the view (:meth:`WalCapture._view_rows`)."""
+    return {"task_id": v.task_id, "instance_id": v.instance_id, "task_key": v.task_key,
+            "workflow_type": v.workflow_type, "new_status": v.status, "attempt": _small_int(v.attempt),
+            "depth": _small_int(v.depth)}
 
 
 def _text(value: Value) -> str:

@@ -288,12 +288,18 @@ class RelatedTable:
     (or an insert) is captured as a status change of every task row (read through ``mapping.read_table``)
     whose ``match`` columns equal the changed row's, carrying the task's status as read then.
 
-    ``match``: pairs of (task column, related column); ``watch``: related columns whose change matters."""
+    ``match``: pairs of (task column, related column); ``watch``: related columns whose change matters.
+    ``columns``: pairs of (task column, related column) for the task columns the read view takes from this
+    row (its state as the task's status, its attempt counter): capture from the write-ahead log reads the
+    matching tasks after the change committed, maybe after later changes too, and takes these values from
+    the change itself, so a dispatch followed at once by the start is still captured as a dispatch.
+    Needed there for the status column when the view takes it from this table."""
 
     table: str
     match: tuple[tuple[str, str], ...]
     watch: tuple[str, ...]
     schema: str | None = None
+    columns: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         validate_identifier(self.table, "mapping.related.table")
@@ -309,12 +315,15 @@ class RelatedTable:
                                "matters (its state, say)")
         for column in self.watch:
             validate_identifier(column, "mapping.related.watch")
+        for task_column, related_column in self.columns:
+            validate_identifier(task_column, "mapping.related.columns")
+            validate_identifier(related_column, "mapping.related.columns")
 
     @classmethod
     def from_dict(cls, raw: Any) -> RelatedTable:
         if not isinstance(raw, Mapping):
             raise MappingError(f"each [[mapping.related]] must be a table, got {type(raw).__name__}")
-        _reject_unknown(raw, {"table", "schema", "match", "watch"}, "mapping.related")
+        _reject_unknown(raw, {"table", "schema", "match", "watch", "columns"}, "mapping.related")
         if "table" not in raw:
             raise MappingError("[[mapping.related]] needs table")
         match = raw.get("match") or {}
@@ -325,8 +334,12 @@ class RelatedTable:
             watch = (watch,)
         if not isinstance(watch, list | tuple):
             raise MappingError("mapping.related.watch must be a list of column names")
+        columns = raw.get("columns") or {}
+        if not isinstance(columns, Mapping):
+            raise MappingError("mapping.related.columns must be a table of task column = related column")
         return cls(table=raw["table"], schema=raw.get("schema"),
-                   match=tuple((str(k), v) for k, v in match.items()), watch=tuple(watch))
+                   match=tuple((str(k), v) for k, v in match.items()), watch=tuple(watch),
+                   columns=tuple((str(k), v) for k, v in columns.items()))
 
 
 @dataclass(frozen=True)

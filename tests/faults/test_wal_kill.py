@@ -4,7 +4,6 @@ relay died) carries the same event id as before; its connections cut by the serv
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -16,12 +15,12 @@ import sqlalchemy as sa
 
 from bridge.app import install
 from bridge.bus import open_bus
-from bridge.capture import wal
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
 from tests.support import start_relay, wait_for
+from tests.support.wal import wal_available
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -32,14 +31,8 @@ def _relay(cwd: Path, db_url: str, bus_url: str) -> subprocess.Popen[bytes]:
 
 def test_relay_killed_while_streaming_loses_nothing_and_repeats_ids(pg_empty_url: str, redis_server: str,
                                                                     redis_namespace: str, tmp_path: Path) -> None:
+    wal_available(pg_empty_url)
     engine = create_engine(pg_empty_url)
-    with engine.connect() as conn:
-        problems = wal.settings_problems(conn)
-    if problems:
-        message = f"write-ahead-log capture cannot run here: {problems[0]}"
-        if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
     (tmp_path / "pollbridge.toml").write_text(
         f'[bus]\nnamespace = "{redis_namespace}"\npartitions = 4\n[capture]\nmode = "wal"\n')
     install.init(engine, demo_schema=True, mapping=TaskTableMapping(), capture=CaptureSettings(mode="wal"))

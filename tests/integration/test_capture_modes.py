@@ -12,7 +12,6 @@ scheduler's schema), removed by ``uninstall``.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from bridge.reconcile.status import gather_status
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable.tables import reflect_tables
 from tests.support import Audit, wait_for
+from tests.support.wal import wal_available
 
 MODES = ["trigger-sqlite", pytest.param("trigger-postgresql", marks=pytest.mark.postgres),
          pytest.param("wal-postgresql", marks=pytest.mark.postgres)]
@@ -71,27 +71,13 @@ class Capture:
         self.engine.dispose()
 
 
-def _wal_available(url: str) -> None:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            problems = wal.settings_problems(conn)
-    finally:
-        engine.dispose()
-    if problems:
-        message = f"write-ahead-log capture cannot run here: {problems[0]}"
-        if os.environ.get("POLLBRIDGE_REQUIRE_SERVICES") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-
-
 def _open(request: pytest.FixtureRequest, tmp_path: Path, mode: str,
           mapping: TaskTableMapping | None = None) -> Capture:
     kind, _, dialect = mode.partition("-")
     url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
            else str(request.getfixturevalue("pg_empty_url")))
     if kind == "wal":
-        _wal_available(url)
+        wal_available(url)
     return Capture(url, kind, mapping)
 
 
@@ -210,7 +196,7 @@ def test_the_causation_depth_travels_on_the_event(request: pytest.FixtureRequest
     url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
            else str(request.getfixturevalue("pg_empty_url")))
     if kind == "wal":
-        _wal_available(url)
+        wal_available(url)
     setup = create_engine(url)
     with setup.begin() as conn:
         create_demo_schema(conn)
@@ -434,7 +420,7 @@ def test_switching_capture_while_the_scheduler_writes_loses_and_doubles_nothing(
     """Two writers flip task statuses without pause while capture goes trigger → wal → trigger: every committed
     change is captured exactly once, by whichever capture owned its commit (the switch's mark separates them)."""
     c = _open(request, tmp_path, "trigger-postgresql")
-    _wal_available(str(c.engine.url.render_as_string(hide_password=False)))
+    wal_available(str(c.engine.url.render_as_string(hide_password=False)))
     try:
         ids = _new_instance(c, "m9", ["x", "y"])
         t = c.tables.tasks

@@ -20,6 +20,7 @@ before the commit (here: backdated) does not make the dependent look ready befor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -29,14 +30,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import Engine
 
 from bridge.app import install
 from bridge.bus import open_bus
+from bridge.capture import wal
 from bridge.capture.relay import Relay
 from bridge.capture.triggers import capture_status, installed_triggers
+from bridge.capture.wal import WalCapture, capture_state, slot_state
+from bridge.core.errors import MappingMismatch
 from bridge.core.mapping import TaskTableMapping
 from bridge.core.phases import FixedRouter
-from bridge.core.settings import RelaySettings, SchedulerSettings
+from bridge.core.settings import CaptureSettings, RelaySettings, SchedulerSettings
 from bridge.db.clock import db_clock
 from bridge.db.engine import create_engine
 from bridge.db.schema import decisions, dispatch_log, outbox
@@ -44,6 +49,7 @@ from bridge.tasktable.dispatch import write_blocker
 from bridge.tasktable.tables import reflect_tables
 from event_scheduler.scheduler import EventScheduler
 from tests.support import drain
+from tests.support.wal import wal_available
 
 SCHEMA = {
     "sqlite": [
@@ -125,26 +131,36 @@ def _mapping(dialect: str, sql_file: Path, instance_id: str = "run_id") -> TaskT
         "statuses": {"pending": "waiting", "dispatched": "queued", "running": "running", "completed": "done",
                      "failed": "error", "review": ""},
         "dispatch": {"attempt_moves": "dispatch", "set": {"attempt": "increment"}},
-        "related": [{"table": "st_jobs", "match": {"job_id": "id"}, "watch": ["state", "finished_at"]}],
+        "related": [{"table": "st_jobs", "match": {"job_id": "id"}, "watch": ["state", "finished_at"],
+                     "columns": {"state": "state", "attempt": "attempt"}}],
     })
 
 
 class Stages:
-    """The engine (plain SQL) with pollbridge attached in dual_write: relay (foreign evidence) and scheduler."""
+    """The engine (plain SQL) with pollbridge attached in dual_write: relay (foreign evidence) and scheduler.
+    ``mode``: the capture, triggers or (PostgreSQL) the write-ahead log, streamed by :meth:`capture`."""
 
     def __init__(self, url: str, tmp_path: Path, *, phase: str = "dual_write", writable: bool = False,
-                 instance_id: str = "run_id") -> None:
+                 instance_id: str = "run_id", mode: str = "trigger") -> None:
         self.engine = create_engine(url)
         self.dialect = self.engine.dialect.name
+        self.mode = mode
+        if mode == "wal":
+            if self.dialect != "postgresql":
+                self.engine.dispose()
+                pytest.skip("write-ahead-log capture is PostgreSQL's")
+            wal_available(url)
         with self.engine.begin() as conn:
             for statement in SCHEMA[self.dialect]:
                 conn.exec_driver_sql(statement)
         sql_file = tmp_path / "stages.sql"
         sql_file.write_text(WRITABLE if writable else VIEW[self.dialect])
         self.mapping = _mapping(self.dialect, sql_file, instance_id)
-        install.init(self.engine, mapping=self.mapping)
+        install.init(self.engine, mapping=self.mapping, capture=CaptureSettings(mode=mode))
         self.tables = reflect_tables(self.engine, self.mapping)
         self.bus = open_bus("embedded", engine=self.engine, partitions=2)
+        self.streamer = WalCapture(self.engine, self.tables, self.bus, foreign=self.mapping) if mode == "wal" \
+            else None
         self.relay = Relay(self.engine, self.bus, RelaySettings(batch_size=100, purge_interval=3600),
                            statuses=self.mapping.statuses, foreign=self.mapping)
         self.sched = EventScheduler(self.engine, self.tables, self.bus,
@@ -181,8 +197,21 @@ class Stages:
         self.job(run_id, name, "state = 'done', finished_at = CURRENT_TIMESTAMP")
 
     # --- pollbridge -------------------------------------------------------------------------------------------
+    def capture(self) -> int:
+        """Write what the capture has not written yet (the triggers write as the engine writes; the log's
+        changes are streamed now). How many outbox rows."""
+        return self.streamer.catch_up() if self.streamer is not None else 0
+
     def drain(self) -> None:
-        drain(self.relay, self.sched)
+        if self.streamer is None:
+            drain(self.relay, self.sched)
+            return
+        for _ in range(10):  # the log's rows are written published: stream, then let the scheduler handle them
+            moved = self.capture()
+            while self.sched.poll_once(block=0.0):
+                moved += 1
+            if not moved:
+                return
 
     def decided(self) -> list[tuple[str, int]]:
         with self.engine.connect() as conn:
@@ -200,9 +229,15 @@ class Stages:
                     for t in ("st_runs", "st_jobs", "st_steps")}
 
 
+@pytest.fixture(params=["trigger", "wal"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """The capture: triggers, or the write-ahead log (PostgreSQL only: skipped on SQLite)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def stages(empty_db_url: str, tmp_path: Path) -> Iterator[Stages]:
-    s = Stages(empty_db_url, tmp_path)
+def stages(empty_db_url: str, tmp_path: Path, mode: str) -> Iterator[Stages]:
+    s = Stages(empty_db_url, tmp_path, mode=mode)
     yield s
     s.close()
 
@@ -212,10 +247,12 @@ DIAMOND = {"a": [], "b": ["a"], "c": ["a"], "d": ["b", "c"]}
 
 def test_a_job_state_change_is_captured_as_its_steps_status_change(stages: Stages) -> None:
     stages.start_run("r1", DIAMOND)
+    stages.capture()
     with stages.engine.begin() as conn:
         conn.execute(outbox.delete())
     stages.job("r1", "a", "state = 'queued', attempt = attempt + 1")
     stages.job("r1", "a", "heartbeat_at = CURRENT_TIMESTAMP")  # not watched: nothing captured
+    stages.capture()
     with stages.engine.connect() as conn:
         rows = conn.execute(sa.select(outbox.c.task_key, outbox.c.instance_id, outbox.c.workflow_type,
                                       outbox.c.change, outbox.c.old_status, outbox.c.new_status,
@@ -225,6 +262,7 @@ def test_a_job_state_change_is_captured_as_its_steps_status_change(stages: Stage
 
 def test_steps_inserted_are_captured_with_the_status_read_through_the_view(stages: Stages) -> None:
     stages.start_run("r1", {"a": []})
+    stages.capture()
     with stages.engine.connect() as conn:
         rows = conn.execute(sa.select(outbox.c.task_key, outbox.c.change, outbox.c.new_status)
                             .where(outbox.c.change == "insert")).all()
@@ -255,6 +293,9 @@ def test_shadow_decisions_follow_the_engine_and_its_dispatches_are_the_evidence(
 
 
 def test_doctor_covers_both_tables_and_uninstall_removes_everything(stages: Stages) -> None:
+    if stages.mode == "wal":
+        _doctor_and_uninstall_wal(stages)
+        return
     with stages.engine.connect() as conn:
         ok, line = capture_status(conn, stages.tables)
         assert ok, line
@@ -281,6 +322,69 @@ def test_doctor_covers_both_tables_and_uninstall_removes_everything(stages: Stag
         assert not sa.inspect(conn).has_table("pollbridge_outbox")
         assert "pollbridge_st_tasks" not in sa.inspect(conn).get_view_names()
         assert sa.inspect(conn).has_table("st_jobs")  # the engine's tables stay
+
+
+def _doctor_and_uninstall_wal(stages: Stages) -> None:
+    """The log's capture: the publication carries both tables (doctor says so when one is missing), no trigger or
+    function anywhere; uninstall drops the publication and the slot."""
+    with stages.engine.connect() as conn:
+        ok, line = capture_state(conn, stages.tables, "wal")
+        assert ok, line
+        assert installed_triggers(conn) == []
+        published = sorted(conn.exec_driver_sql(
+            "SELECT tablename FROM pg_publication_tables WHERE pubname = 'pollbridge_publication'").scalars())
+        assert published == ["st_jobs", "st_steps"]
+    with stages.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER PUBLICATION pollbridge_publication DROP TABLE st_jobs")
+    with stages.engine.connect() as conn:
+        ok, line = capture_state(conn, stages.tables, "wal")
+    assert not ok and "'st_jobs'" in line and "pollbridge init" in line, line
+
+    stages.sched.leases.release_all()
+    stages.uninstalled = True
+    install.uninstall_all(stages.engine, stages.bus, stages.mapping)
+    with stages.engine.connect() as conn:
+        assert not wal.publication_exists(conn)
+        assert not slot_state(conn).exists
+        assert "pollbridge_st_tasks" not in sa.inspect(conn).get_view_names()
+
+
+def _engine_tables_only(url: str, tmp_path: Path, *, without_key: bool = False) -> tuple[Engine, Path]:
+    """PostgreSQL with the engine's tables (``without_key``: st_jobs without a primary key) and the view's SQL
+    file, nothing of pollbridge's installed; skipped elsewhere or where the log cannot be read."""
+    if not url.startswith("postgresql"):
+        pytest.skip("write-ahead-log capture is PostgreSQL's")
+    wal_available(url)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for statement in SCHEMA["postgresql"]:
+            if without_key:
+                statement = statement.replace("st_jobs (id serial PRIMARY KEY", "st_jobs (id serial") \
+                    .replace(" REFERENCES st_jobs (id)", "")
+            conn.exec_driver_sql(statement)
+    sql_file = tmp_path / "stages.sql"
+    sql_file.write_text(VIEW["postgresql"])
+    return engine, sql_file
+
+
+def test_wal_refuses_a_related_table_it_would_make_postgresql_refuse_updates_of(
+        empty_db_url: str, tmp_path: Path) -> None:
+    """A related table without a primary key (no replica identity) in the publication would make PostgreSQL refuse
+    every UPDATE of it: init refuses the mode in one line, creates no publication and no slot, and the engine's
+    updates go on."""
+    engine, sql_file = _engine_tables_only(empty_db_url, tmp_path, without_key=True)
+    try:
+        with pytest.raises(MappingMismatch) as refused:
+            install.init(engine, mapping=_mapping("postgresql", sql_file), capture=CaptureSettings(mode="wal"))
+        assert "'st_jobs'" in str(refused.value) and "primary key" in str(refused.value)
+        assert "\n" not in str(refused.value)
+        with engine.begin() as conn:
+            assert not wal.publication_exists(conn)
+            assert not slot_state(conn).exists
+            conn.exec_driver_sql("INSERT INTO st_jobs (state) VALUES ('waiting')")
+            conn.exec_driver_sql("UPDATE st_jobs SET state = 'done'")  # the engine's writes are untouched
+    finally:
+        engine.dispose()
 
 
 def test_a_completion_stamped_before_its_commit_is_floored_at_the_commit(stages: Stages) -> None:
@@ -340,13 +444,15 @@ def test_writes_through_a_join_view_need_the_users_instead_of_trigger(empty_db_u
         stages.close()
 
 
-def test_a_key_the_view_computes_is_captured_as_the_view_computes_it(empty_db_url: str, tmp_path: Path) -> None:
+def test_a_key_the_view_computes_is_captured_as_the_view_computes_it(empty_db_url: str, tmp_path: Path,
+                                                                    mode: str) -> None:
     """instance_id is an expression of the user's view ('run:' || run_id), not a column of either captured table:
     the step's insert and its job's change both carry it, and the shadow decision is made for that instance."""
-    stages = Stages(empty_db_url, tmp_path, instance_id="run_key")
+    stages = Stages(empty_db_url, tmp_path, instance_id="run_key", mode=mode)
     try:
         stages.start_run("r1", {"a": [], "b": ["a"]})
         stages.job("r1", "a", "state = 'queued', attempt = attempt + 1")
+        stages.capture()
         with stages.engine.connect() as conn:
             captured = {(str(r.change), str(r.instance_id)) for r in conn.execute(
                 sa.select(outbox.c.change, outbox.c.instance_id))}
@@ -360,3 +466,22 @@ def test_a_key_the_view_computes_is_captured_as_the_view_computes_it(empty_db_ur
         assert decided == [("run:r1", "a"), ("run:r1", "b")]
     finally:
         stages.close()
+
+
+def test_wal_needs_the_status_from_the_change_itself(empty_db_url: str, tmp_path: Path) -> None:
+    """The view takes the status from st_jobs: read after the commit, a dispatch followed at once by the start would
+    be read as running and the engine's dispatch missed as evidence. Without mapping.related.columns naming it the
+    mode is refused in one line, and nothing is created."""
+    engine, sql_file = _engine_tables_only(empty_db_url, tmp_path)
+    try:
+        mapping = _mapping("postgresql", sql_file)
+        mapping = dataclasses.replace(mapping, related=tuple(dataclasses.replace(r, columns=())
+                                                             for r in mapping.related))
+        with pytest.raises(MappingMismatch) as refused:
+            install.init(engine, mapping=mapping, capture=CaptureSettings(mode="wal"))
+        assert "columns = {state = " in str(refused.value) and "\n" not in str(refused.value)
+        with engine.connect() as conn:
+            assert not wal.publication_exists(conn)
+            assert not slot_state(conn).exists
+    finally:
+        engine.dispose()
