@@ -140,40 +140,55 @@ def timeout_timer(settings: TypeSettings, task_id: object, running_since: Any, w
 
 
 #: Session settings for the scheduler's PostgreSQL connections (see :func:`_session_settings`).
-SESSION_SETTINGS = ("SET jit = off", "SET plan_cache_mode = force_generic_plan")
+SESSION_SETTINGS = "SET jit = off"
+#: The evaluator's own connections (:meth:`Evaluator.connect`) only: generic plans for prepared statements.
+GENERIC_PLANS = "SET plan_cache_mode = force_generic_plan"
+_GENERIC_MARK = "pollbridge_generic_plans"
 
 
 def _session_settings(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
-    """Pool checkout hook, once per connection: no JIT, and generic plans for prepared statements.
+    """Pool checkout hook, once per connection: no JIT.
 
     The readiness SQL calls ``json_array_elements_text`` per task, which the planner costs at 100 rows a
     call, so a batch of a hundred instances is estimated above ``jit_above_cost`` and JIT-compiled:
     measured 2.4 s of compilation for a 5 ms query. Set in autocommit, so no rollback undoes it.
 
-    The driver prepares the statements run often (after five runs), and their plans are costed for an
-    ``ANY(array)`` of ten elements. That is fine for these statements as long as nothing is computed per
-    row from a parameter: the scope document is parsed once, in an InitPlan. PostgreSQL's ``auto`` mode
-    chose the generic plan for the evaluation but kept planning the lost-race statement afresh every time:
-    beside Airflow (readiness through views over ``serialized_dag``) it spent 2.1 ms planning a statement
-    that runs in 0.8 ms; with the generic plan forced it took 1.6 ms instead of 3.6 ms per run, and the
-    evaluation 1.8 ms either way (7.6 ms with custom plans). ``plan_cache_mode`` applies to prepared
-    statements only: a statement run once is planned for its values as before."""
+    (The driver prepares the statements run often and PostgreSQL may then use a generic plan, costed for
+    an ``ANY(array)`` of ten elements. That is fine for these statements as long as nothing is computed
+    per row from a parameter: the scope document is parsed once, in an InitPlan. The evaluator's own
+    connections force it: :meth:`Evaluator.connect`.)"""
     if record.info.get("pollbridge_session_settings"):
         return
     autocommit_was = dbapi_conn.autocommit
     dbapi_conn.autocommit = True
     try:
-        for setting in SESSION_SETTINGS:
-            dbapi_conn.execute(setting)
+        dbapi_conn.execute(SESSION_SETTINGS)
     finally:
         dbapi_conn.autocommit = autocommit_was
     record.info["pollbridge_session_settings"] = True
 
 
+def _default_plans(dbapi_conn: Any, record: Any) -> None:
+    """Pool checkin hook: a connection the evaluator set to generic plans goes back to the pool as it came
+    (other users of the engine plan as PostgreSQL's ``auto`` mode does)."""
+    if not record.info.pop(_GENERIC_MARK, False):
+        return
+    autocommit_was = dbapi_conn.autocommit
+    try:
+        dbapi_conn.autocommit = True
+        dbapi_conn.execute("RESET plan_cache_mode")
+    except Exception:  # a broken connection is not reused: the pool's ping finds it
+        log.debug("could not reset plan_cache_mode on checkin", exc_info=True)
+    else:
+        dbapi_conn.autocommit = autocommit_was
+
+
 def tune_sessions(engine: Engine) -> None:
-    """Apply :data:`SESSION_SETTINGS` to every connection ``engine`` hands out (idempotent; PostgreSQL only)."""
+    """Apply :data:`SESSION_SETTINGS` to every connection ``engine`` hands out, and undo the evaluator's own
+    setting when its connections go back (idempotent; PostgreSQL only)."""
     if engine.dialect.name == "postgresql" and not sa.event.contains(engine, "checkout", _session_settings):
         sa.event.listen(engine, "checkout", _session_settings)
+        sa.event.listen(engine, "checkin", _default_plans)
 
 
 def writable(tt: TaskTable, status: str) -> bool:
@@ -222,8 +237,19 @@ class Evaluator:
         return self.queries.evaluation_run
 
     def connect(self) -> Connection:
-        """A connection for :meth:`evaluate` (autocommit on PostgreSQL); the caller closes it."""
-        return self._single.connect()
+        """A connection for :meth:`evaluate` (autocommit on PostgreSQL); the caller closes it.
+
+        On PostgreSQL it uses generic plans for its prepared statements (``plan_cache_mode``), reset when it goes
+        back to the pool. PostgreSQL's ``auto`` mode chose the generic plan for the evaluation but kept planning
+        the lost-race statement afresh every time: beside Airflow (readiness through views over
+        ``serialized_dag``) it spent 2.1 ms planning a statement that runs in 0.8 ms; with the generic plan
+        forced it took 1.6 ms instead of 3.6 ms per run, and the evaluation 1.8 ms either way (7.6 ms with custom
+        plans). Only these connections: the engine's other users keep ``auto``."""
+        conn = self._single.connect()
+        if self._pg:
+            conn.exec_driver_sql(GENERIC_PLANS)
+            conn.connection.info[_GENERIC_MARK] = True
+        return conn
 
     def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None,
                  conn: Connection | None = None, scopes: Mapping[str, Scope | None] | None = None) -> Evaluation:

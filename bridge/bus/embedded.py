@@ -208,6 +208,7 @@ class EmbeddedBus(EventBus):
         #: when the thread ends or the bus closes.
         self._kept = threading.local()
         self._kept_all: weakref.WeakSet[_Kept] = weakref.WeakSet()
+        self._kept_lock = threading.Lock()  # guards _kept_all
 
     def __repr__(self) -> str:
         return f"EmbeddedBus({self._engine.url.render_as_string(hide_password=True)}, partitions={self.partitions})"
@@ -449,20 +450,37 @@ class EmbeddedBus(EventBus):
         take as six round trips (a pool ping, BEGIN, the offsets locked, the log read, the pending rows, the
         offsets advanced, COMMIT) took 4 ms p50 of every shadow decision's latency on a loaded machine, and an
         acknowledgement as many again."""
-        kept: _Kept | None = getattr(self._kept, "holder", None)
-        if kept is None or kept.conn is None:
-            # Kept per thread: a pool checkout per take would add the pool's ping, a round trip and a
-            # transaction of its own, to every take.
-            kept = _Kept(self._bookkeeping.connect().execution_options(isolation_level="AUTOCOMMIT"))
-            self._kept.holder = kept
-            self._kept_all.add(kept)
-        assert kept.conn is not None
-        try:
-            rows = kept.conn.execute(_PG_TAKE, {"b_group": group, "b_parts": parts, "b_count": count,
-                                                "b_consumer": consumer, "b_acks": sorted(acks)}).all()
-        except BaseException:
-            kept.release()
-            raise
+        params = {"b_group": group, "b_parts": parts, "b_count": count, "b_consumer": consumer,
+                  "b_acks": sorted(acks)}
+        for attempt in (1, 2):
+            kept: _Kept | None = getattr(self._kept, "holder", None)
+            if kept is None or kept.conn is None:
+                # Kept per thread: a pool checkout per take would add the pool's ping, a round trip and a
+                # transaction of its own, to every take.
+                kept = _Kept(self._bookkeeping.connect().execution_options(isolation_level="AUTOCOMMIT"))
+                self._kept.holder = kept
+                with self._kept_lock:
+                    self._kept_all.add(kept)
+            try:
+                with kept.lock:  # close() from another thread waits for the statement
+                    if kept.conn is None:
+                        continue  # released meanwhile (the bus closed): take a new one
+                    rows = kept.conn.execute(_PG_TAKE, params).all()
+                break
+            except sa.exc.DBAPIError as exc:
+                kept.release()
+                # A kept connection skips the pool's ping: one the server dropped while idle (a restart, a
+                # failover, a timeout) fails its next statement. Once, on a fresh one. Should the lost one's take
+                # have committed after all, its entries are pending under this consumer and are claimed again
+                # once stale: late, never lost.
+                if attempt == 2 or not exc.connection_invalidated:
+                    raise
+            except BaseException:
+                kept.release()
+                raise
+        else:  # released twice in a row by a concurrent close: nothing taken, the acknowledgements on their own
+            self.ack_ids(group, list(acks))
+            return []
         if not rows or int(rows[0].groups) < len(parts):
             # A group row went (another bus emptied the bus: purge_all): the next take registers it again.
             self._groups_present.discard((group, tuple(parts)))
@@ -755,7 +773,9 @@ class EmbeddedBus(EventBus):
 
     def close(self) -> None:
         """The kept connections of the takes go; the engine belongs to the caller."""
-        for kept in list(self._kept_all):
+        with self._kept_lock:
+            kept_all = list(self._kept_all)
+        for kept in kept_all:
             kept.release()
 
     # ------------------------------------------------------------------ helpers
@@ -773,13 +793,15 @@ class _Kept:
     """A reading thread's kept connection (PostgreSQL takes): let go when the thread ends (its thread-local
     holder is collected), when the bus closes, or after a failure (the next take opens another)."""
 
-    __slots__ = ("__weakref__", "conn")
+    __slots__ = ("__weakref__", "conn", "lock")
 
     def __init__(self, conn: Connection) -> None:
         self.conn: Connection | None = conn
+        self.lock = threading.Lock()  # held while a statement runs on it
 
     def release(self) -> None:
-        conn, self.conn = self.conn, None
+        with self.lock:
+            conn, self.conn = self.conn, None
         discard(conn)
 
     def __del__(self) -> None:

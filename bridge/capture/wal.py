@@ -133,12 +133,12 @@ def captured_columns(conn: Connection, tt: TaskTable) -> list[str]:
             if task_column not in tt.tasks.c:
                 raise MappingMismatch(f"column {task_column!r} (mapping.related {r.table!r} columns) is not a column "
                                       f"of the task rows pollbridge reads ({tt.tasks.name!r})")
-    if related and status not in target.c and not any(status in dict(r.columns) for r, _ in related):
+    if status not in target.c and not any(status in dict(r.columns) for r, _ in related):
         # The view takes the status from a related table: read after the commit, a dispatch followed at once by
         # the start would be read as running, and a foreign scheduler's dispatch would be missed as evidence.
         raise MappingMismatch(f"[capture] mode = 'wal' needs the status column {status!r} from the change itself: "
-                              "set columns = {" + status + " = \"<its column>\"} in the [[mapping.related]] table "
-                              "the read view takes it from, or use mode = 'trigger'")
+                              "declare the table the read view takes it from as [[mapping.related]] with columns = {"
+                              + status + " = \"<its column>\"}, or use mode = 'trigger'")
     columns: list[str] = []
     for logical in CAPTURED:
         for column in tt.mapping.columns.parts(logical):
@@ -154,14 +154,15 @@ def _replica_identity_problem(conn: Connection, table: str, schema: str | None) 
     publication would fail the scheduler's writes, which capture must never do."""
     prep = conn.dialect.identifier_preparer
     qualified = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+    # DEFAULT needs a primary key, USING INDEX its index (dropped, PostgreSQL treats it as NOTHING), FULL nothing.
     row = conn.execute(sa.text(
         "SELECT c.relreplident, EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid "
-        "AND (i.indisprimary OR i.indisreplident)) FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(:t)"),
-        {"t": qualified}).first()
+        "AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END) "
+        "FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(:t)"), {"t": qualified}).first()
     if row is None:
         return None  # missing: capture_target and related_targets say so
     identity, indexed = str(row[0]), bool(row[1])
-    if identity == "f" or (identity in ("d", "i") and indexed):
+    if identity == "f" or indexed:
         return None
     return (f"[capture] mode = 'wal' cannot publish table {table!r}: it has no primary key or replica identity, so "
             "PostgreSQL would refuse every UPDATE of it once published; give it a primary key (or ALTER TABLE ... "
@@ -206,8 +207,9 @@ def install_publication(conn: Connection, tt: TaskTable) -> None:
     updates); the capture reads the mapped columns of each row and ignores the rest."""
     captured_columns(conn, tt)  # what this mode cannot capture is refused, in one line
     conn.exec_driver_sql(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
+    # Via the partition root: a partitioned table's changes arrive as the mapped table's, not its partitions'.
     conn.exec_driver_sql(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {', '.join(published_tables(conn, tt))} "
-                         "WITH (publish = 'insert, update')")
+                         "WITH (publish = 'insert, update', publish_via_partition_root = true)")
 
 
 def published_tables(conn: Connection, tt: TaskTable) -> list[str]:
@@ -442,7 +444,8 @@ class WalCapture:
         self.invisible_waits = 0
         self._seen: OrderedDict[str, tuple[Value, ...]] = OrderedDict()
         #: The same for the rows of the ``[[mapping.related]]`` tables: (related index, replica identity key).
-        self._seen_related: OrderedDict[tuple[int, tuple[Value, ...]], tuple[Value, ...]] = OrderedDict()
+        self._seen_related: OrderedDict[tuple[int, tuple[Value, ...]],
+                                        tuple[tuple[Value, ...], tuple[Value, ...]]] = OrderedDict()
         self.confirmed_lsn = 0
         self.captured = 0
         self._conn: Connection | None = None
@@ -457,12 +460,26 @@ class WalCapture:
         with engine.connect() as conn:
             self.slot = slot_name(conn)
             base = set(capture_target(conn, tables).c.keys())
+            #: The captured tables' OIDs (what a Relation message names): the task table -1, related tables from 0.
+            self._oids = self._resolve(conn)
+        self._unknown_relations: set[int] = set()
+        #: Task-row changes whose row the read view did not show when they were written (not captured).
+        self.unseen = 0
         cols = tables.mapping.columns
         # Only the captured table's own columns can be compared (a joined status changes with its related table).
         self._watched = [(kind, column) for kind, logical in WATCHED
                          if (column := getattr(cols, logical)) and column in base]
         #: Whether some captured column is only in the read view: each change's values are then read through it.
         self._fill = any(column not in base for logical in CAPTURED for column in cols.parts(logical))
+        # Of a task change's values, those the view supplies (their columns are not all on the captured table);
+        # the others come from the change itself, as it was.
+        def off_base(logical: str) -> bool:
+            return any(column not in base for column in cols.parts(logical))
+        self._from_view = {field for field, off in (
+            ("instance_id", off_base("instance_id")), ("task_key", off_base("task_key")),
+            ("workflow_type", off_base("workflow_type") or (not cols.workflow_type and off_base("instance_id"))),
+            ("new_status", off_base("status")), ("attempt", off_base("attempts")), ("depth", off_base("depth")),
+        ) if off}
         self._view_statements: dict[tuple[str, ...], sa.Select[Any]] = {}
         self._insert = self._insert_statement()
         self._facts_statement = self._build_facts_statement()
@@ -513,13 +530,33 @@ class WalCapture:
             self.start_lsn, self.stop_lsn = bounds(conn)
         self._reload_bounds = False
 
-    def _target(self, relation: Relation) -> int | None:
-        """-1 for the task table, the index of a ``[[mapping.related]]`` table, or None (not captured)."""
+    def _resolve(self, conn: Connection) -> dict[int, int]:
+        """The OIDs of the task table (-1) and of each ``[[mapping.related]]`` table (its index), resolved as the
+        publication named them (a table without a schema through the search path)."""
+        prep = conn.dialect.identifier_preparer
         m = self.tables.mapping
+        out: dict[int, int] = {}
         for index, (schema, table) in enumerate([(m.schema, m.table), *((r.schema, r.table) for r in m.related)]):
-            if relation.name == table and (schema is None or relation.namespace == schema):
-                return index - 1
-        return None
+            name = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+            oid = conn.execute(sa.text("SELECT CAST(to_regclass(:t) AS oid)"), {"t": name}).scalar()
+            if oid is not None:
+                out[int(oid)] = index - 1
+        return out
+
+    def _target(self, relation: Relation) -> int | None:
+        """-1 for the task table, the index of a ``[[mapping.related]]`` table, or None: a relation the
+        publication carries that is none of them (resolved again once, then logged once: never silent)."""
+        target = self._oids.get(relation.relid)
+        if target is None and relation.relid not in self._unknown_relations:
+            with self.engine.connect() as conn:
+                self._oids = self._resolve(conn)
+            target = self._oids.get(relation.relid)
+            if target is None:
+                self._unknown_relations.add(relation.relid)
+                log.warning("the publication carries %s.%s, which is none of the mapped tables: its changes are not "
+                            "captured (run `pollbridge init` after changing the mapping)", relation.namespace,
+                            relation.name)
+        return target
 
     def _row(self, change: Change, n: int) -> dict[str, Any] | None:
         relation = self.relations.get(change.relid)
@@ -591,23 +628,33 @@ class WalCapture:
         related = self.tables.mapping.related[index]
         names = [c.name for c in relation.columns]
         new = dict(zip(names, change.new or (), strict=False))
+        old = dict(zip(names, change.old, strict=False)) if change.old is not None and change.old_full else None
         key = (index, tuple(new.get(c.name) for c in relation.columns if c.key))
         watched_now = tuple(new.get(c) for c in related.watch)
+        remembered = self._seen_related.get(key)
+        # An unchanged TOASTed match value travels as "unchanged": it is what it was (the old row's, or the one
+        # remembered for the row).
+        match = tuple(new.get(column) for _, column in related.match)
+        if any(v is UNCHANGED for v in match):
+            earlier = tuple(old.get(column) for _, column in related.match) if old is not None \
+                else remembered[1] if remembered is not None else None
+            if earlier is not None:
+                match = tuple(e if v is UNCHANGED else v for v, e in zip(match, earlier, strict=True))
         if change.kind == "update":
-            before: tuple[Value, ...] | None = None
-            if change.old is not None and change.old_full:
-                old = dict(zip(names, change.old, strict=False))
-                before = tuple(old.get(c) for c in related.watch)
-            else:
-                before = self._seen_related.get(key)
+            before = tuple(old.get(c) for c in related.watch) if old is not None \
+                else remembered[0] if remembered is not None else None
             if before is not None and not any(b is not UNCHANGED and a != b
                                               for a, b in zip(before, watched_now, strict=True)):
-                self._remember_related(key, watched_now)
+                self._remember_related(key, (watched_now, match))
                 return None
-        self._remember_related(key, watched_now)
-        match = tuple(new.get(column) for _, column in related.match)
-        if any(v is None or v is UNCHANGED for v in match):
-            return None  # a NULL matches no task row (and an unchanged TOASTed key is not a key)
+        self._remember_related(key, (watched_now, match))
+        if any(v is None for v in match):
+            return None  # a NULL matches no task row
+        if any(v is UNCHANGED for v in match):
+            log.warning("a change of %s (mapping.related) left a match column unchanged and out of line, and its value "
+                        "is not known here (no REPLICA IDENTITY FULL, not seen since the relay started): the tasks "
+                        "it concerns are evaluated at their next change or catch-up", related.table)
+            return None
         # The values the view takes from this row, as they were at this change (mapping.related.columns).
         values = {task_column: new.get(related_column) for task_column, related_column in related.columns
                   if new.get(related_column) is not UNCHANGED}
@@ -619,7 +666,8 @@ class WalCapture:
         if len(self._seen) > SEEN_CACHE:
             self._seen.popitem(last=False)
 
-    def _remember_related(self, key: tuple[int, tuple[Value, ...]], values: tuple[Value, ...]) -> None:
+    def _remember_related(self, key: tuple[int, tuple[Value, ...]],
+                          values: tuple[tuple[Value, ...], tuple[Value, ...]]) -> None:
         self._seen_related[key] = values
         self._seen_related.move_to_end(key)
         if len(self._seen_related) > SEEN_CACHE:
@@ -714,8 +762,13 @@ class WalCapture:
                                 "created_at": r["created_at"]})
             elif r.get("pb_fill"):
                 v = filled.get(r["task_id"])
-                if v is not None:
-                    out.append({**r, **_view_values(v)})
+                if v is None:
+                    self.unseen += 1
+                    log.info("a change of task %s is not captured: the read view does not show its row (deleted "
+                             "since, or outside the view's join)", r["task_id"])
+                    continue
+                values = _view_values(v)
+                out.append({**r, **{k: values[k] for k in self._from_view}})
             else:
                 out.append(r)
         return out

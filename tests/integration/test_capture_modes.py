@@ -708,3 +708,32 @@ def test_a_change_sent_again_after_a_failed_flush_is_captured(walcap: Capture) -
                     outbox.c.published_at.is_not(None))).scalar_one() > 0
         wait_for(lambda: bool(failed), 20.0, what="the failed flush")
         wait_for(captured, 20.0, what="the change, sent again by the slot, to be captured")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_column_only_the_view_has_is_read_through_it_and_the_rest_is_the_changes_own(
+        request: pytest.FixtureRequest, tmp_path: Path, mode: str) -> None:
+    """The task key is computed by the user's read view ('k:' || task_key), the status is on the captured table: the
+    key is read through the view, and each change keeps its own status even when the log is read after a later
+    change (WAL: queued then running in two commits, streamed together, are captured as queued and running)."""
+    sql_file = tmp_path / "view.sql"
+    sql_file.write_text("-- name: install\nCREATE VIEW pollbridge_test_tasks_v AS SELECT t.*, 'k:' || t.task_key AS "
+                        "vkey FROM tasks t;\n\n-- name: uninstall\nDROP VIEW IF EXISTS pollbridge_test_tasks_v;\n")
+    mapping = TaskTableMapping.from_dict({"read_table": "pollbridge_test_tasks_v", "install_sql": str(sql_file),
+                                          "columns": {"task_key": "vkey"}})
+    c = _open(request, tmp_path, mode, mapping)
+    try:
+        base = sa.Table("tasks", sa.MetaData(), autoload_with=c.engine)
+        with c.engine.begin() as conn:
+            conn.execute(c.tables.instances.insert().values(id="m9v", workflow_type="orders"))  # type: ignore[union-attr]
+            task_id = conn.execute(base.insert().values(instance_id="m9v", task_key="a", depends_on=[])
+                                   .returning(base.c.id)).scalar_one()
+        for status in ("queued", "running"):
+            with c.engine.begin() as conn:
+                conn.execute(base.update().where(base.c.id == task_id).values(status=status))
+        rows = c.rows("m9v")
+        assert [(r.change, r.new_status, r.task_key, r.workflow_type) for r in rows] == [
+            ("insert", "pending", "k:a", "orders"), ("status", "queued", "k:a", "orders"),
+            ("status", "running", "k:a", "orders")]
+    finally:
+        c.close()

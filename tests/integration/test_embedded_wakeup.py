@@ -124,3 +124,24 @@ def test_a_take_is_one_statement_on_a_kept_connection_let_go_with_its_thread(
     assert engine.pool.checkedout() == 1
     bus.close()
     assert engine.pool.checkedout() == 0
+
+
+def test_a_kept_connection_the_server_dropped_is_replaced_without_an_error(engines: tuple[Engine, Engine]) -> None:
+    """The kept connection skips the pool's ping: when the server drops it while idle (a restart, a failover, an
+    idle timeout), the next take fails on it once and is made again on a fresh one, delivering what is there."""
+    engine, writer_engine = engines
+    bus = EmbeddedBus(engine, partitions=2)
+    bus.ensure_group("g")
+    bus.publish([_event()])
+    assert len(bus.read("g", "c", [0, 1], 10, 0.0)) == 1  # registers the group's rows
+    bus.publish([_event()])
+    assert len(bus.read("g", "c", [0, 1], 10, 0.0)) == 1  # a one-statement take on the kept connection
+    kept = bus._kept.holder.conn
+    pid = kept.connection.dbapi_connection.info.backend_pid
+    with writer_engine.connect() as admin:
+        assert admin.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar() is True
+    bus.publish([_event()])
+    got = bus.read("g", "c", [0, 1], 10, 0.0)
+    assert len(got) == 1
+    assert bus._kept.holder.conn is not kept  # replaced
+    bus.close()
