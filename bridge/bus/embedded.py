@@ -12,7 +12,10 @@ Why it is built the way it is:
 * **read** takes the entries after the group's offsets, records them as pending and advances the
   offsets in *one* transaction, so an entry is delivered by ``read`` once per group even with
   many consumers. On PostgreSQL the group rows are locked ``FOR UPDATE`` (in partition order, so
-  two consumers never deadlock); on SQLite every transaction is ``BEGIN IMMEDIATE`` already.
+  two consumers never deadlock); on SQLite every transaction is ``BEGIN IMMEDIATE`` already. On
+  PostgreSQL, once a group's rows are known, that transaction is one statement (:data:`_PG_TAKE`,
+  which also carries the previous batch's acknowledgements in ``ack_and_read``) on a connection each
+  reading thread keeps: no pool ping, no BEGIN and COMMIT, per take.
 * **Commit order.** A reader that advances an offset past an id must never meet a smaller id
   later. PostgreSQL hands out ids when a row is inserted, not when it commits, so two concurrent
   publishers could commit ids 10 and 9 in that order and a reader between the commits would skip
