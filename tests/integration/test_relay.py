@@ -570,13 +570,25 @@ def test_at_a_trickle_each_change_costs_the_relay_one_claim(
     relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
     running(relay)
     _settled(env, relay)
+
+    def unrelated() -> float:
+        # Claims that are no confirming claim: a look by a timer, and a cycle that failed and was retried (under a
+        # loaded CI a publish to the bus can time out: its claim is rolled back and made again).
+        failed = sum(sample.value for metric in relay.metrics.registry.collect()
+                     if metric.name == "pollbridge_relay_errors" for sample in metric.samples
+                     if sample.name == "pollbridge_relay_errors_total")
+        return relay.metrics.value("pollbridge_relay_wakeups_total", {"cause": "timer"}) + failed
+
+    before = unrelated()
     with _statements(env) as seen:
         for i in range(6):
             add_tasks(env, f"t{i}", 1)
             wait_for(lambda n=i + 1: relay.metrics.value("pollbridge_relay_published_total") == n, 4,
                      what=f"change {i + 1} published (by its notification: the timers are 5 and 30 s)")
             threading.Event().wait(0.05)  # a trickle: the relay goes back to sleep between changes
-    assert _claims(seen) <= 6 + 1, _claims(seen)
+    extra = unrelated() - before
+    assert _claims(seen) <= 6 + 1 + extra, (_claims(seen), extra, [str(p)[:200] for s, p in seen
+                                                                   if s.lstrip().upper().startswith("UPDATE POLL")])
     assert not [s for s, _ in seen if "pollbridge_relay_state" in s]  # the flag stayed up
 
 
