@@ -547,6 +547,10 @@ def test_a_lost_bus_gets_the_logs_changes_again(walcap: Capture, redis_server: s
         wait_for(lambda: len(event_ids()) == 10, 30.0, what="the log's changes captured")
         before = event_ids()
         assert Audit(open_bus(redis_server, partitions=4, namespace=redis_namespace), "first").collect(before) == before
+        # The loss is a change of the epochs the relay stored: it must have stored them first (a relay whose first
+        # check comes after the loss has nothing to compare with; a CI run beside a hog deleted the keys first).
+        wait_for(lambda: relay._epochs is not None and len(relay._epochs) == 4, 20.0,
+                 what="the relay to store the bus's epochs")
         client = redis.Redis.from_url(redis_server)
         client.delete(*list(client.scan_iter(match=f"{redis_namespace}:*")))
         client.close()
