@@ -152,8 +152,7 @@ def _replica_identity_problem(conn: Connection, table: str, schema: str | None) 
     publishes updates without a replica identity ("cannot update table ... because it does not have a replica
     identity and publishes updates"): a table without a primary key (or ``REPLICA IDENTITY NOTHING``) in the
     publication would fail the scheduler's writes, which capture must never do."""
-    prep = conn.dialect.identifier_preparer
-    qualified = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+    qualified = _sql_name(conn, table, schema)
     # DEFAULT needs a primary key, USING INDEX its index (dropped, PostgreSQL treats it as NOTHING), FULL nothing.
     row = conn.execute(sa.text(
         "SELECT c.relreplident, EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid "
@@ -195,10 +194,14 @@ def settings_problems(conn: Connection) -> list[str]:
     return problems
 
 
-def _qualified(conn: Connection, tt: TaskTable) -> str:
+def _sql_name(conn: Connection, table: str, schema: str | None) -> str:
+    """A table's SQL name, quoted, schema-qualified when a schema is mapped (else found through the search path)."""
     prep = conn.dialect.identifier_preparer
-    m = tt.mapping
-    return f"{prep.quote_schema(m.schema)}.{prep.quote(m.table)}" if m.schema else prep.quote(m.table)
+    return f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+
+
+def _qualified(conn: Connection, tt: TaskTable) -> str:
+    return _sql_name(conn, tt.mapping.table, tt.mapping.schema)
 
 
 def install_publication(conn: Connection, tt: TaskTable) -> None:
@@ -215,9 +218,7 @@ def install_publication(conn: Connection, tt: TaskTable) -> None:
 def published_tables(conn: Connection, tt: TaskTable) -> list[str]:
     """The tables the publication carries, as SQL names: the task table, then each ``[[mapping.related]]``
     table (a change of one is a status change of the task rows that match it)."""
-    prep = conn.dialect.identifier_preparer
-    return [_qualified(conn, tt), *(f"{prep.quote_schema(r.schema)}.{prep.quote(r.table)}" if r.schema
-                                    else prep.quote(r.table) for r in tt.mapping.related)]
+    return [_qualified(conn, tt), *(_sql_name(conn, r.table, r.schema) for r in tt.mapping.related)]
 
 
 def ensure_slot(engine: Engine) -> bool:
@@ -366,10 +367,7 @@ def wal_status(conn: Connection, tt: TaskTable) -> tuple[bool, str]:
         {"p": PUBLICATION, "t": _qualified(conn, tt)}).first()
     if published is None:
         return False, f"publication {PUBLICATION} of {tt.mapping.table!r} missing; run `pollbridge init`"
-    for related in tt.mapping.related:
-        prep = conn.dialect.identifier_preparer
-        name = f"{prep.quote_schema(related.schema)}.{prep.quote(related.table)}" if related.schema \
-            else prep.quote(related.table)
+    for related, name in zip(tt.mapping.related, published_tables(conn, tt)[1:], strict=True):
         if conn.exec_driver_sql(
                 "SELECT 1 FROM pg_catalog.pg_publication_rel pr JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid "
                 "WHERE p.pubname = %(p)s AND pr.prrelid = to_regclass(%(t)s)", {"p": PUBLICATION, "t": name}).first() \
@@ -533,11 +531,8 @@ class WalCapture:
     def _resolve(self, conn: Connection) -> dict[int, int]:
         """The OIDs of the task table (-1) and of each ``[[mapping.related]]`` table (its index), resolved as the
         publication named them (a table without a schema through the search path)."""
-        prep = conn.dialect.identifier_preparer
-        m = self.tables.mapping
         out: dict[int, int] = {}
-        for index, (schema, table) in enumerate([(m.schema, m.table), *((r.schema, r.table) for r in m.related)]):
-            name = f"{prep.quote_schema(schema)}.{prep.quote(table)}" if schema else prep.quote(table)
+        for index, name in enumerate(published_tables(conn, self.tables)):
             oid = conn.execute(sa.text("SELECT CAST(to_regclass(:t) AS oid)"), {"t": name}).scalar()
             if oid is not None:
                 out[int(oid)] = index - 1
@@ -615,8 +610,6 @@ class WalCapture:
             "attempt": _small_int(attempt),
             "depth": _small_int(depth),
             "trace_id": uuid.uuid4().hex,
-            # Values only the read view has (a status joined from another table): read through it when written.
-            **({"pb_fill": True} if self._fill else {}),
         }
 
     def _related_row(self, relation: Relation, index: int, change: Change, n: int) -> dict[str, Any] | None:
@@ -734,7 +727,9 @@ class WalCapture:
         through the view finds nothing); a related change becomes a status change of each task row that
         matches it, its status as read now, no old status (as the related trigger writes it)."""
         cols = self.tables.mapping.columns
-        fill = [r for r in rows if r.get("pb_fill")]
+        # With values only the read view has (a status joined from another table), every task change is read
+        # through it.
+        fill = [r for r in rows if "pb_related" not in r] if self._fill else []
         filled = {v.pb_k0: v for v in self._view_rows(conn, (cols.id,), [(r["task_id"],) for r in fill])} \
             if fill else {}
         matched: dict[tuple[int, tuple[str, ...]], list[Any]] = {}
@@ -760,7 +755,7 @@ class WalCapture:
                     out.append({**values, "event_id": str(uuid.uuid5(_EVENT_NAMESPACE, f"{r['pb_seed']}:{v.task_id}")),
                                 "change": "status", "old_status": None, "trace_id": uuid.uuid4().hex,
                                 "created_at": r["created_at"]})
-            elif r.get("pb_fill"):
+            elif self._fill:
                 v = filled.get(r["task_id"])
                 if v is None:
                     self.unseen += 1
