@@ -40,20 +40,25 @@ from bridge.tasktable.tables import reflect_tables
 from tests.support import Audit, wait_for
 from tests.support.wal import wal_available
 
+#: ``wal-redis``: the log streamed to a bus outside the database (published before the batch's commit; on the
+#: embedded bus the events are written in it).
 MODES = ["trigger-sqlite", pytest.param("trigger-postgresql", marks=pytest.mark.postgres),
-         pytest.param("wal-postgresql", marks=pytest.mark.postgres)]
+         pytest.param("wal-postgresql", marks=pytest.mark.postgres),
+         pytest.param("wal-redis", marks=[pytest.mark.postgres, pytest.mark.redis])]
 
 
 class Capture:
     """The reference tables with capture installed in one mode; :meth:`rows` reads what was captured."""
 
-    def __init__(self, url: str, mode: str, mapping: TaskTableMapping | None = None) -> None:
+    def __init__(self, url: str, mode: str, mapping: TaskTableMapping | None = None, *,
+                 bus_url: str = "embedded", namespace: str | None = None) -> None:
         self.mode = mode
         self.engine = create_engine(url)
         self.mapping = mapping or TaskTableMapping()
         install.init(self.engine, demo_schema=True, mapping=self.mapping, capture=CaptureSettings(mode=mode))
         self.tables = reflect_tables(self.engine, self.mapping)
-        self.bus = open_bus("embedded", engine=self.engine, partitions=2)
+        named = {"namespace": namespace} if namespace else {}
+        self.bus = open_bus(bus_url, engine=self.engine, partitions=2, **named)
         self.streamer = WalCapture(self.engine, self.tables, self.bus) if mode == "wal" else None
 
     def rows(self, instance_id: str | None = None) -> list[Any]:
@@ -71,14 +76,23 @@ class Capture:
         self.engine.dispose()
 
 
-def _open(request: pytest.FixtureRequest, tmp_path: Path, mode: str,
-          mapping: TaskTableMapping | None = None) -> Capture:
-    kind, _, dialect = mode.partition("-")
-    url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
-           else str(request.getfixturevalue("pg_empty_url")))
+def _database(request: pytest.FixtureRequest, tmp_path: Path, mode: str) -> tuple[str, str, dict[str, Any]]:
+    """The mode's capture kind, its database's URL and the :class:`Capture` keywords that name its bus."""
+    kind, _, where = mode.partition("-")
+    url = f"sqlite:///{tmp_path / 'capture.db'}" if where == "sqlite" else str(request.getfixturevalue("pg_empty_url"))
     if kind == "wal":
         wal_available(url)
-    return Capture(url, kind, mapping)
+    bus: dict[str, Any] = {}
+    if where == "redis":
+        bus = {"bus_url": request.getfixturevalue("redis_server"),
+               "namespace": request.getfixturevalue("redis_namespace")}
+    return kind, url, bus
+
+
+def _open(request: pytest.FixtureRequest, tmp_path: Path, mode: str,
+          mapping: TaskTableMapping | None = None) -> Capture:
+    kind, url, bus = _database(request, tmp_path, mode)
+    return Capture(url, kind, mapping, **bus)
 
 
 @pytest.fixture(params=MODES)
@@ -192,17 +206,13 @@ def test_the_causation_depth_travels_on_the_event(request: pytest.FixtureRequest
                                                   source: str) -> None:
     """With ``mapping.columns.depth`` the captured row's depth, with ``spawned_by`` the length of its spawning
     chain, is the CloudEvent's ``depth`` (it was 0 on every event before), in both capture modes."""
-    kind, _, dialect = mode.partition("-")
-    url = (f"sqlite:///{tmp_path / 'capture.db'}" if dialect == "sqlite"
-           else str(request.getfixturevalue("pg_empty_url")))
-    if kind == "wal":
-        wal_available(url)
+    kind, url, bus = _database(request, tmp_path, mode)
     setup = create_engine(url)
     with setup.begin() as conn:
         create_demo_schema(conn)
         conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {source} INTEGER"))
     setup.dispose()
-    c = Capture(url, kind, TaskTableMapping.from_dict({"columns": {source: source}}))
+    c = Capture(url, kind, TaskTableMapping.from_dict({"columns": {source: source}}), **bus)
     try:
         t = c.tables.tasks
         with c.engine.begin() as conn:
