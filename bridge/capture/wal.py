@@ -703,10 +703,12 @@ class WalCapture:
         # In the batch's order: the outbox id is the event's version.
         select = sa.select(*(rows.c[n] for n in _OUTBOX_FIELDS), trace, partition, sa.func.clock_timestamp()) \
             .order_by(rows.c.pb_i)
+        # The event's fields first (published by position); what a foreign scheduler's dispatches are recorded from
+        # only with one (each returned column is read and converted per row: a timestamp parsed, for one).
+        evidence = (o.id, o.change, o.old_status, o.new_status) if self.foreign is not None else ()
         return (outbox.insert().from_select([*_OUTBOX_FIELDS, "trace_id", "relay_partition", "published_at"],
                                             select)
-                .returning(o.id, o.event_id, o.task_id, o.instance_id, o.task_key, o.change, o.old_status,
-                           o.new_status, o.attempt, o.created_at, o.trace_id, event_payload_sql("postgresql")))
+                .returning(o.event_id, o.instance_id, o.task_id, event_payload_sql("postgresql"), *evidence))
 
     @staticmethod
     def _rows_document(rows: Sequence[dict[str, Any]]) -> str:
@@ -740,8 +742,7 @@ class WalCapture:
                     written = conn.execute(self._insert, {"pb_rows": self._rows_document(rows)}).all() if rows else []
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
-                    self.bus.publish_in(conn, [encoded_event(r.event_id, r.instance_id, r.task_id, r.payload)
-                                               for r in written])
+                    self.bus.publish_in(conn, [encoded_event(*r[:4]) for r in written])
             except BaseException:
                 self.close()
                 raise
