@@ -118,6 +118,18 @@ def pg_empty_url(pg_server: None) -> Iterator[str]:
 
 
 @pytest.fixture
+def pg_sql_ascii_url(pg_server: None) -> Iterator[str]:
+    """A new, empty PostgreSQL database whose encoding is ``SQL_ASCII`` (bytes stored as given: legacy
+    schedulers' databases are sometimes made so)."""
+    name = f"pb_test_{_RUN}_{next(_counter)}"
+    with _admin() as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+                     .format(sql.Identifier(name)))
+    yield _pg_url(name)
+    _drop_db(name)
+
+
+@pytest.fixture
 def pg_url(pg_template: str) -> Iterator[str]:
     """A PostgreSQL database with pollbridge installed and the reference schema, cloned from the template."""
     name = f"pb_test_{_RUN}_{next(_counter)}"

@@ -639,6 +639,35 @@ def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walc
     assert streamer.invisible_waits >= 1
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("database", ["pg_empty_url", "pg_sql_ascii_url"])
+def test_text_beyond_ascii_and_a_transaction_larger_than_a_batch(request: pytest.FixtureRequest,
+                                                                  database: str) -> None:
+    """The relay writes a batch's rows as one JSON document: text beyond ASCII goes as it is (a ``SQL_ASCII``
+    database refuses ``\\u`` escapes above U+007F in JSON, and the relay would retry the batch for ever), and a
+    transaction of more rows than a batch holds is written in chunks, in commit order."""
+    url = str(request.getfixturevalue(database))
+    if database == "pg_sql_ascii_url":  # the drivers decode text as UTF-8, as such a database's clients write it
+        url += "?client_encoding=utf8"
+    wal_available(url)
+    c = Capture(url, "wal")
+    try:
+        keys = [f"café-{i:02d}" for i in range(7)]
+        ids = _new_instance(c, "ünïcode", keys)
+        assert c.streamer is not None
+        c.streamer.batch_rows = 3
+        t = c.tables.tasks
+        with c.engine.begin() as conn:
+            for key in reversed(keys):
+                conn.execute(t.update().where(t.c.id == ids[key]).values(status="queued"))
+        rows = c.rows("ünïcode")
+        assert [(r.change, r.task_key) for r in rows] == [("insert", k) for k in keys] + [
+            ("status", k) for k in reversed(keys)]
+        assert [r.id for r in rows] == sorted(r.id for r in rows)
+    finally:
+        c.close()
+
+
 @pytest.fixture
 def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
     """One engine for every example of a property test (the fixture is made once per test function)."""
