@@ -273,22 +273,31 @@ def walcap(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Capture]:
     c.close()
 
 
+@pytest.fixture(params=["wal-postgresql", pytest.param("wal-redis", marks=pytest.mark.redis)])
+def walcap_each(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Capture]:
+    """:func:`walcap`, and the same streaming to Redis (published before the batch's commit, where the embedded
+    bus writes in it): the cases where that order matters."""
+    c = _open(request, tmp_path, request.param)
+    yield c
+    c.close()
+
+
 @pytest.mark.postgres
-def test_changes_are_captured_in_commit_order(walcap: Capture) -> None:
+def test_changes_are_captured_in_commit_order(walcap_each: Capture) -> None:
     """A transaction that wrote first but commits last (the case the trigger's outbox ids get wrong) comes
     last: the log is in commit order, and so are the outbox ids."""
-    ids = _new_instance(walcap, "m6", ["early", "late"])
-    t = walcap.tables.tasks
-    first_wrote = walcap.engine.connect()
+    ids = _new_instance(walcap_each, "m6", ["early", "late"])
+    t = walcap_each.tables.tasks
+    first_wrote = walcap_each.engine.connect()
     try:
         txn = first_wrote.begin()
         first_wrote.execute(t.update().where(t.c.id == ids["early"]).values(status="queued"))
-        with walcap.engine.begin() as conn:
+        with walcap_each.engine.begin() as conn:
             conn.execute(t.update().where(t.c.id == ids["late"]).values(status="queued"))
         txn.commit()
     finally:
         first_wrote.close()
-    rows = [r for r in walcap.rows("m6") if r.change == "status"]
+    rows = [r for r in walcap_each.rows("m6") if r.change == "status"]
     assert [r.task_key for r in rows] == ["late", "early"]
     assert rows[0].created_at <= rows[1].created_at  # the commit times
 
@@ -332,21 +341,21 @@ def test_a_column_list_publication_is_not_current_and_init_regenerates_it(walcap
 
 
 @pytest.mark.postgres
-def test_a_batch_streamed_again_after_a_crash_repeats_its_event_ids(walcap: Capture) -> None:
+def test_a_batch_streamed_again_after_a_crash_repeats_its_event_ids(walcap_each: Capture) -> None:
     """Written but not confirmed (the process died between its commit and telling the server): the slot sends
     the changes again; the outbox then holds each twice, with the same event id (consumers dedupe on it)."""
-    ids = _new_instance(walcap, "m7", ["a"])
-    t = walcap.tables.tasks
-    with walcap.engine.begin() as conn:
+    ids = _new_instance(walcap_each, "m7", ["a"])
+    t = walcap_each.tables.tasks
+    with walcap_each.engine.begin() as conn:
         conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
-    crashed = WalCapture(walcap.engine, walcap.tables, walcap.bus)
+    crashed = WalCapture(walcap_each.engine, walcap_each.tables, walcap_each.bus)
     crashed._flush_and_confirm = lambda cur: crashed.flush()  # type: ignore[method-assign]
     crashed._await_confirmation = lambda cur, deadline: None  # type: ignore[method-assign]
     crashed.catch_up()
-    first = [(r.change, r.event_id) for r in walcap.rows("m7")]  # walcap's own streamer: streams them again
+    first = [(r.change, r.event_id) for r in walcap_each.rows("m7")]  # walcap_each's own streamer: streams them again
     assert len(first) == 4
     assert sorted(first[:2]) == sorted(first[2:])
-    assert walcap.streamer is not None and walcap.streamer.catch_up() == 0  # confirmed now: nothing again
+    assert walcap_each.streamer is not None and walcap_each.streamer.catch_up() == 0  # confirmed now: nothing again
 
 
 @pytest.mark.postgres
@@ -394,24 +403,24 @@ def _terminate_and_drop(conn: sa.Connection, slot: str) -> bool:
 
 
 @pytest.mark.postgres
-def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Capture) -> None:
+def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap_each: Capture) -> None:
     """The slot dropped by hand while the capture streams (as an invalidated one would be lost): the change made
     while it was gone is in no log, so the capture recreates the slot and publishes the current state of every
     unfinished task; the finished one is left alone. The gap is counted."""
-    ids = _new_instance(walcap, "m8", ["open", "done"])
-    t = walcap.tables.tasks
-    with walcap.engine.begin() as conn:
+    ids = _new_instance(walcap_each, "m8", ["open", "done"])
+    t = walcap_each.tables.tasks
+    with walcap_each.engine.begin() as conn:
         conn.execute(t.update().where(t.c.id == ids["done"]).values(status="completed"))
-    walcap.rows()  # streamed and confirmed so far
-    with streaming(walcap) as capture:
-        with walcap.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    walcap_each.rows()  # streamed and confirmed so far
+    with streaming(walcap_each) as capture:
+        with walcap_each.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             slot = wal.slot_name(conn)
             # The capture reconnects 0.5 s after its walsender is ended and takes the slot again, so a loaded
             # machine can miss the moment the slot is free: end the walsender and try the drop until it lands.
             wait_for(lambda: _terminate_and_drop(conn, slot), 20.0, what="the slot to be dropped")
             conn.execute(t.update().where(t.c.id == ids["open"]).values(status="queued"))  # in no log now
         wait_for(lambda: capture.gaps == 1, 30.0, what="the lost slot to be recreated")
-    with walcap.engine.connect() as conn:
+    with walcap_each.engine.connect() as conn:
         assert slot_state(conn).exists
         rederived = conn.execute(sa.select(outbox.c.task_key, outbox.c.change, outbox.c.old_status,
                                            outbox.c.new_status, outbox.c.published_at.is_not(None))
@@ -419,7 +428,7 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap: Ca
     assert [tuple(r) for r in rederived] == [("open", "status", None, "queued", True)]
     assert capture.rederived >= 1
     # Recorded for the reconciler, the gates and the guardian (bridge.capture.gaps).
-    with walcap.engine.connect() as conn:
+    with walcap_each.engine.connect() as conn:
         (gap,) = gaps_after(conn, 0)
     assert gap.source == WAL_SLOT and gap.rederived == capture.rederived and slot in gap.detail
 
@@ -580,7 +589,7 @@ def test_a_lost_bus_gets_the_logs_changes_again(walcap: Capture, redis_server: s
 
 
 @pytest.mark.postgres
-def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walcap: Capture) -> None:
+def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walcap_each: Capture) -> None:
     """PostgreSQL writes and flushes a commit record, and wakes the walsender, before the committing session
     leaves the process array: under CPU load the log can hand a commit to the relay while other sessions still
     see the transaction in progress. A scheduler woken by that event would read the task as it was before the
@@ -588,15 +597,15 @@ def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walc
     busy). The capture publishes a batch only once each of its transactions is visible.
 
     The race is injected: the commit that is streamed carries the transaction id of one that is still open."""
-    ids = _new_instance(walcap, "vis", ["a"])
-    walcap.rows()  # the instance's inserts captured: only the change below is left
-    t = walcap.tables.tasks
-    with walcap.engine.begin() as conn:
+    ids = _new_instance(walcap_each, "vis", ["a"])
+    walcap_each.rows()  # the instance's inserts captured: only the change below is left
+    t = walcap_each.tables.tasks
+    with walcap_each.engine.begin() as conn:
         conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
-    open_txn = walcap.engine.connect()
+    open_txn = walcap_each.engine.connect()
     txn = open_txn.begin()
     xid = int(open_txn.exec_driver_sql("SELECT pg_current_xact_id()::text").scalar_one()) & 0xFFFFFFFF
-    streamer = walcap.streamer
+    streamer = walcap_each.streamer
     assert streamer is not None
     decoded = threading.Event()
     real_handle = streamer.handle
@@ -626,7 +635,7 @@ def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walc
         assert decoded.wait(30), "the commit was not streamed"
         # Not published while the transaction is invisible (before the fix: written at once).
         assert not done.wait(1.0)
-        with walcap.engine.connect() as conn:
+        with walcap_each.engine.connect() as conn:
             assert conn.execute(sa.select(sa.func.count()).select_from(outbox)
                                 .where(outbox.c.instance_id == "vis", outbox.c.change == "status")).scalar_one() == 0
     finally:
@@ -634,7 +643,7 @@ def test_a_commit_decoded_before_it_is_visible_is_not_published_until_it_is(walc
         open_txn.close()
     assert done.wait(30)
     assert not caught
-    rows = [r for r in walcap.rows("vis") if r.change == "status"]
+    rows = [r for r in walcap_each.rows("vis") if r.change == "status"]
     assert [(r.task_key, r.new_status) for r in rows] == [("a", "queued")]
     assert streamer.invisible_waits >= 1
 
@@ -723,14 +732,14 @@ def test_a_long_transaction_holds_back_nothing_but_its_own_changes(walcap: Captu
 
 
 @pytest.mark.postgres
-def test_a_change_sent_again_after_a_failed_flush_is_captured(walcap: Capture) -> None:
+def test_a_change_sent_again_after_a_failed_flush_is_captured(walcap_each: Capture) -> None:
     """A batch decoded and then lost (the database went away while it was written) is sent again by the slot
     when the capture reconnects; the watched values remembered while decoding it must not make the change look
     unchanged the second time (it was: a restart mid-run lost a write)."""
-    ids = _new_instance(walcap, "m11", ["a"])
-    walcap.rows()
-    t = walcap.tables.tasks
-    with streaming(walcap) as capture:
+    ids = _new_instance(walcap_each, "m11", ["a"])
+    walcap_each.rows()
+    t = walcap_each.tables.tasks
+    with streaming(walcap_each) as capture:
         real_flush = capture.flush
         failed: list[bool] = []
 
@@ -741,11 +750,11 @@ def test_a_change_sent_again_after_a_failed_flush_is_captured(walcap: Capture) -
             real_flush()
 
         capture.flush = flush_failing_once  # type: ignore[method-assign]
-        with walcap.engine.begin() as conn:
+        with walcap_each.engine.begin() as conn:
             conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
 
         def captured() -> bool:
-            with walcap.engine.connect() as conn:
+            with walcap_each.engine.connect() as conn:
                 return conn.execute(sa.select(sa.func.count()).select_from(outbox).where(
                     outbox.c.instance_id == "m11", outbox.c.new_status == "queued",
                     outbox.c.published_at.is_not(None))).scalar_one() > 0
