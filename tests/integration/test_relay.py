@@ -609,8 +609,10 @@ def test_a_writer_that_read_the_flag_down_is_published_without_waiting_for_the_f
         # The trigger has read the flag down (the relay has not run yet); the relay starts, arms and re-probes.
         with _statements(env) as seen:
             running(relay)
-            wait_for(lambda: _armed(env) and _claims(seen) >= 1, 10, what="the relay to arm and re-probe")
-        assert relay._horizon is not None  # the writer is older than the arming: not safe yet
+            # The horizon is noted in a transaction after the flag's (Relay._arm): waited for, not read at once
+            # (read between the two, beside a CPU hog in CI, it was still None).
+            wait_for(lambda: _armed(env) and _claims(seen) >= 1 and relay._horizon is not None, 10,
+                     what="the relay to arm, note its horizon and re-probe")
         tx.commit()
         committed = time.monotonic()
         wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 4.5,
