@@ -462,11 +462,15 @@ def test_a_dropped_batch_comes_back_after_the_visibility_timeout(env: Env, reque
     m = SchedulerMachine(Context(env, redis_url))
     try:
         m.add_instance((TaskSpec("a"), TaskSpec("b", ("a",))), "orders")
+        before_read = time.monotonic()  # the dropped entries have been idle at most this long
         m.deliver(publish_first=True, mode="drop")
         assert m.dropped and _dispatched(m) == []
         m.deliver(publish_first=False, mode="normal")  # nothing new to read: the entries are pending
         m.claim_stale(wait=0.0)  # not idle long enough yet
-        assert _dispatched(m) == [] and not (m.dropped & m.claims.claimed)
+        # Only when this all took less than the visibility timeout (0.2 s): beside a CPU hog in CI it once took
+        # longer, and the entries were then rightly claimable.
+        if time.monotonic() - before_read < VISIBILITY:
+            assert _dispatched(m) == [] and not (m.dropped & m.claims.claimed)
         m.claim_stale(wait=VISIBILITY + 0.05)
         assert m.dropped <= m.claims.claimed
         assert len(_dispatched(m)) == 1
