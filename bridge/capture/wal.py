@@ -499,8 +499,8 @@ class WalCapture:
             ("new_status", off_base("status")), ("attempt", off_base("attempts")), ("depth", off_base("depth")),
         ) if off}
         self._view_statements: dict[tuple[str, ...], sa.Select[Any]] = {}
-        self._facts_statement = self._build_facts_statement()
         self._insert = self._insert_statement()
+        self._facts_statement = self._build_facts_statement()
 
     # --- decoding --------------------------------------------------------------------------------------
     def handle(self, payload: bytes) -> None:
