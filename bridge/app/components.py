@@ -15,31 +15,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import Connection, Engine
-
-from bridge.bus.base import EventBus
-from bridge.bus.factory import open_bus
-from bridge.capture.relay import Relay
-from bridge.capture.wal import WalCapture
 from bridge.core.errors import ConfigError, first_line
-from bridge.core.phases import EventRouter
 from bridge.core.settings import Settings, WorkerSettings
 from bridge.core.urls import bus_scheme, mask_url
-from bridge.db.engine import create_engine
-from bridge.flags.router import FlagRouter
-from bridge.flags.store import FlagStore
-from bridge.rollout.checks import CheckResult
-from bridge.rollout.doctor import run_doctor
-from bridge.rollout.guardian import Guardian
-from bridge.rollout.preflight import PreflightReport, run_preflight
-from bridge.tasktable.queries import spawn_depths
-from bridge.tasktable.tables import TaskTable, reflect_tables
-from event_scheduler.scheduler import EventScheduler
-from legacy_poller.poller import LegacyPoller
-from legacy_poller.workers import WorkerPool
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from sqlalchemy.engine import Connection, Engine
+
+    from bridge.bus.base import EventBus
+    from bridge.capture.relay import Relay
+    from bridge.capture.wal import WalCapture
+    from bridge.core.phases import EventRouter
+    from bridge.flags.router import FlagRouter
+    from bridge.flags.store import FlagStore
+    from bridge.rollout.checks import CheckResult
+    from bridge.rollout.guardian import Guardian
+    from bridge.rollout.preflight import PreflightReport
+    from bridge.tasktable.tables import TaskTable
+    from event_scheduler.scheduler import EventScheduler
+    from legacy_poller.poller import LegacyPoller
+    from legacy_poller.workers import WorkerPool
+
+# Each component's module is imported by the method that builds it, not here: every ``pollbridge`` command
+# imports this module, and importing every component took 160 ms of a command's start-up on this machine
+# (`python -X importtime`), which a short command such as ``pollbridge signal`` paid for nothing.
 
 #: Seconds one Redis call may take in the commands that only look at the bus (``status``, ``explain``,
 #: ``metrics serve``, ``serve``, ``guardian``, ``preflight``, ``doctor``): a hung bus must fail a check or
@@ -71,11 +73,15 @@ class Components:
     # --- connections ----------------------------------------------------------------------------------
     def engine(self, *, pool_size: int = 5) -> Engine:
         """An engine for the configured database (not connected yet)."""
+        from bridge.db.engine import create_engine
+
         return create_engine(self.settings.database_url, pool_size=pool_size)
 
     def bus(self, engine: Engine, *, timeout: float | None = None) -> EventBus:
         """The configured bus; ``engine`` is the database the embedded bus lives in. ``timeout``: seconds
         a Redis call may take (default: the bus's own)."""
+        from bridge.bus.factory import open_bus
+
         s = self.settings
         options: dict[str, Any] = {}
         if timeout is not None and bus_scheme(s.bus_url) != "embedded":
@@ -102,10 +108,14 @@ class Components:
 
     # --- flags ----------------------------------------------------------------------------------------
     def flag_store(self, engine: Engine) -> FlagStore:
+        from bridge.flags.store import FlagStore
+
         return FlagStore(engine, default_grace=self.settings.router.grace)
 
     def flag_router(self, engine: Engine, *, registry: CollectorRegistry | None = None) -> FlagRouter:
         """A router over a new flag store; not started (``.start()``, and ``.stop()`` when done)."""
+        from bridge.flags.router import FlagRouter
+
         r = self.settings.router
         return FlagRouter(self.flag_store(engine), refresh_interval=r.refresh_interval,
                           fallback_interval=r.fallback_interval, registry=registry)
@@ -113,6 +123,10 @@ class Components:
     # --- the services ---------------------------------------------------------------------------------
     def relay(self, engine: Engine, bus: EventBus, *, partition: int = 0,
               registry: CollectorRegistry | None = None) -> Relay:
+        from bridge.capture.relay import Relay
+        from bridge.tasktable.queries import spawn_depths
+        from bridge.tasktable.tables import reflect_tables
+
         s = self.settings
         depth_of: Callable[[Connection, list[str]], dict[str, int]] | None = None
         if s.mapping.columns.spawned_by:  # events carry the depth derived from the spawning chain
@@ -128,6 +142,9 @@ class Components:
 
     def wal_capture(self, engine: Engine, bus: EventBus) -> WalCapture:
         """The write-ahead-log capture (``[capture] mode = "wal"``), run by the relay of partition 0."""
+        from bridge.capture.wal import WalCapture
+        from bridge.tasktable.tables import reflect_tables
+
         s = self.settings
         return WalCapture(engine, reflect_tables(engine, s.mapping), bus,
                           relay_partitions=s.capture.relay_partitions,
@@ -135,6 +152,8 @@ class Components:
 
     def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
                   registry: CollectorRegistry | None = None) -> EventScheduler:
+        from event_scheduler.scheduler import EventScheduler
+
         s = self.settings
         # Beside a foreign scheduler (by default) its retries and timeouts stay its own: pollbridge writes neither.
         return EventScheduler(engine, tables, bus, s.scheduler, router, visibility_timeout=s.bus.visibility_timeout,
@@ -142,6 +161,8 @@ class Components:
 
     def poller(self, engine: Engine, tables: TaskTable, router: FlagRouter | None, *,
                registry: CollectorRegistry | None = None) -> LegacyPoller:
+        from legacy_poller.poller import LegacyPoller
+
         return LegacyPoller(engine, tables, batch_size=self.settings.poller.batch_size, registry=registry,
                             router=router, running_timeout=self.settings.poller.running_timeout,
                             limits=self.settings.scheduler)
@@ -150,6 +171,8 @@ class Components:
                  registry: CollectorRegistry | None = None, bus_label: str | None = None,
                  interval: float | None = None) -> Guardian:
         """The guardian; ``interval`` overrides ``guardian.interval``, ``store`` defaults to a new flag store."""
+        from bridge.rollout.guardian import Guardian
+
         s = self.settings
         settings = replace(s.guardian, interval=interval) if interval else s.guardian
         return Guardian(engine, settings, bus=bus, group=s.scheduler.group,
@@ -159,13 +182,19 @@ class Components:
     def workers(self, engine: Engine, tables: TaskTable, *, settings: WorkerSettings | None = None,
                 registry: CollectorRegistry | None = None, seed: int | None = None) -> WorkerPool:
         """The demo worker pool; ``settings`` overrides ``[workers]`` (a ``--concurrency`` option)."""
+        from legacy_poller.workers import WorkerPool
+
         return WorkerPool(engine, tables, settings or self.settings.workers, registry=registry, seed=seed)
 
     # --- the checks -----------------------------------------------------------------------------------
     def doctor(self, engine: Engine) -> list[CheckResult]:
+        from bridge.rollout.doctor import run_doctor
+
         return run_doctor(engine, self.settings, store=self.flag_store(engine), open_bus=self.bus_opener(engine))
 
     def preflight(self, engine: Engine, workflow_type: str, phase: str, *,
                   percent: float | None = None) -> PreflightReport:
+        from bridge.rollout.preflight import run_preflight
+
         return run_preflight(engine, self.settings, workflow_type, phase, percent=percent,
                              store=self.flag_store(engine), open_bus=self.bus_opener(engine))

@@ -20,7 +20,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from bridge import __version__
-from bridge.app import install
 from bridge.cli.common import (
     JSON_OPTION,
     PollbridgeGroup,
@@ -34,14 +33,6 @@ from bridge.cli.common import (
     settings_of,
     stop_on_signals,
 )
-from bridge.cli.flags import flags, rollback_cmd
-from bridge.cli.guardian import guardian
-from bridge.cli.observe import explain, metrics, status
-from bridge.cli.preflight import preflight
-from bridge.cli.reconcile import reconcile
-from bridge.cli.review import review
-from bridge.cli.runall import run_all
-from bridge.cli.serve import serve
 from bridge.core.errors import first_line
 from bridge.core.runtime import enable_stack_dumps, settle_heap
 from bridge.core.settings import ENV_BUS_URL, ENV_CONFIG, ENV_DATABASE_URL
@@ -49,8 +40,25 @@ from bridge.core.urls import bus_scheme, mask_url
 from bridge.db.engine import check_connection
 from bridge.db.migrate import require_head
 
+#: The subcommands defined in their own modules (each imports bridge.cli.common, never this module), imported
+#: only when run or listed (:class:`PollbridgeGroup`).
+LAZY_COMMANDS = {
+    "flags": "bridge.cli.flags:flags",
+    "rollback": "bridge.cli.flags:rollback_cmd",
+    "reconcile": "bridge.cli.reconcile:reconcile",
+    "review": "bridge.cli.review:review",
+    "run-all": "bridge.cli.runall:run_all",
+    "guardian": "bridge.cli.guardian:guardian",
+    "explain": "bridge.cli.observe:explain",
+    "status": "bridge.cli.observe:status",
+    "metrics": "bridge.cli.observe:metrics",
+    "preflight": "bridge.cli.preflight:preflight",
+    "serve": "bridge.cli.serve:serve",
+}
 
-@click.group(cls=PollbridgeGroup, context_settings={"show_default": True, "max_content_width": 110})
+
+@click.group(cls=PollbridgeGroup, lazy=LAZY_COMMANDS,
+             context_settings={"show_default": True, "max_content_width": 110})
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar=ENV_CONFIG, show_envvar=True,
               help="Configuration file (default: ./pollbridge.toml if present).")
 @click.option("--database-url", envvar=ENV_DATABASE_URL, show_envvar=True,
@@ -77,6 +85,8 @@ def cli(ctx: click.Context, config: str | None, database_url: str | None, bus_ur
 @click.pass_context
 def init(ctx: click.Context, demo_schema: bool, as_json: bool) -> None:
     """Install pollbridge's own objects (idempotent)."""
+    from bridge.app import install
+
     settings = settings_of(ctx)
     components = components_of(ctx)
     engine = components.engine()
@@ -129,6 +139,7 @@ def uninstall(ctx: click.Context, yes: bool, keep_bus: bool, as_json: bool) -> N
     the bus cannot be reached, nothing is removed (exit 1) unless --keep-bus says to leave it."""
     import redis
 
+    from bridge.app import install
     from bridge.app.components import BUS_TIMEOUT
 
     components = components_of(ctx)
@@ -446,6 +457,7 @@ def capture_switch(ctx: click.Context, mode: str, timeout: float) -> None:
     relay of partition 0, which streams the slot from then on (the slot keeps every change until then)."""
     from dataclasses import replace as _replace
 
+    from bridge.app import install
     from bridge.tasktable.tables import reflect_tables
 
     components = components_of(ctx)
@@ -493,6 +505,8 @@ def relay() -> None:
 def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> None:
     """Publish captured changes to the bus until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
+
+    from bridge.app import install
 
     components = components_of(ctx)
     settings = components.settings
@@ -793,12 +807,6 @@ def workers_run(ctx: click.Context, concurrency: int | None) -> None:
         click.echo(f"workers stopped: {stats.completed} completed, {stats.failed} failed", err=True)
     finally:
         engine.dispose()
-
-
-# The subcommands defined in their own modules (each imports bridge.cli.common, never this module).
-for _command in (flags, rollback_cmd, reconcile, review, run_all, guardian, explain, status, metrics, preflight,
-                 serve):
-    cli.add_command(_command)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-import bridge.app.components as components_module
+import bridge.bus.factory as bus_factory  # the composition root imports open_bus where it opens a bus
 from bridge.app.components import BUS_TIMEOUT, Components
 from bridge.core.errors import ConfigError
 from bridge.core.settings import BusSettings, RouterSettings, Settings
@@ -65,7 +65,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
             raise ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
         return object()
 
-    monkeypatch.setattr(components_module, "open_bus", fake_open_bus)
+    monkeypatch.setattr(bus_factory, "open_bus", fake_open_bus)
     return calls
 
 
@@ -100,7 +100,7 @@ def test_a_bad_bus_url_stays_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> N
     def refuse(url: str, **_: Any) -> Any:
         raise ConfigError(f"unsupported bus URL {url!r}")
 
-    monkeypatch.setattr(components_module, "open_bus", refuse)
+    monkeypatch.setattr(bus_factory, "open_bus", refuse)
     with pytest.raises(ConfigError):
         Components(Settings()).optional_bus(sa.create_engine("sqlite://"))
 
