@@ -37,7 +37,10 @@ count lies between its two looks: the counter restarts from 0 when SQLite recove
 within one salt the frame count only grows, so a slot of an earlier run never matches. A value without its
 slot (another program's commit; a slot overwritten, torn, stale, or not yet written: it is looked up once
 more half a millisecond later) wakes every topic, and so does a WAL that started over between two looks.
-So a commit is never taken for another's: the worst case is still a spurious wake-up. Measured before this
+So a commit is never taken for another's: the worst case is still a spurious wake-up. A waiter can tell the
+two apart (:meth:`ChangeSignal.surely_since`): woken only by commits about its topic (this process's, or
+another's told by the journal), it may act at once (the relay claims, a bus reader takes); woken by what only
+may be about it (a watcher's start, a commit whose topics could not be told), it looks first. Measured before this
 (``bench.cost``, embedded, 2 completions/s): the relay looked at the outbox 7 times and the scheduler read the
 bus 8.8 times per completion, woken by each other's bookkeeping.
 """
@@ -98,6 +101,9 @@ class ChangeSignal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._gens = dict.fromkeys(TOPICS, 0)
+        #: Per topic, its generation at the last wake-up that may not be about it (a watcher's start, a commit
+        #: whose topics could not be told): a waiter woken past it knows a commit about its topic happened.
+        self._unsure = dict.fromkeys(TOPICS, 0)
         self._cond = threading.Condition()
         self._watcher: threading.Thread | None = None
         self._last_wait = 0.0
@@ -113,17 +119,27 @@ class ChangeSignal:
         #: 10, 15, 20, 25 … ms between tries whatever the lock does (see :class:`NotifyingConnection`).
         self.write_lock = threading.Lock()
 
-    def notify(self, topics: Iterable[str] = TOPICS) -> None:
+    def notify(self, topics: Iterable[str] = TOPICS, *, sure: bool = True) -> None:
+        """Wake the waiters of ``topics``; ``sure``: a commit about them surely happened (this process's own, or
+        another's whose topics the journal told), not a wake-up that only may be about them."""
         topics = tuple(topics)
         if not topics:  # a quiet commit: nothing for anyone
             return
         with self._cond:
             for topic in topics:
                 self._gens[topic] += 1
+                if not sure:
+                    self._unsure[topic] = self._gens[topic]
             self._cond.notify_all()
 
     def generation(self, topic: str) -> int:
         return self._gens[topic]
+
+    def surely_since(self, topic: str, seen: int) -> bool:
+        """Whether every wake-up of ``topic`` after generation ``seen`` was a commit about it (and there was
+        one): a waiter woken past ``seen`` may then act on the change without looking for it first."""
+        with self._cond:
+            return self._gens[topic] != seen and self._unsure[topic] <= seen
 
     def view(self, topic: str) -> TopicView:
         """The signal as seen by a waiter for ``topic``."""
@@ -226,6 +242,7 @@ class ChangeSignal:
             self._watcher.start()
             for topic in TOPICS:
                 self._gens[topic] += 1
+                self._unsure[topic] = self._gens[topic]
             self._cond.notify_all()
 
     def _header(self) -> bytes | None:
@@ -282,13 +299,19 @@ class ChangeSignal:
     def _changed(self, last: _Signature, now: _Signature) -> frozenset[str]:
         """The topics other processes' commits between two signatures were about (empty: none, or only this
         process's own commits); every topic when one of them cannot be told (see the module docstring)."""
+        topics, _ = self._changed_told(last, now)
+        return topics
+
+    def _changed_told(self, last: _Signature, now: _Signature) -> tuple[frozenset[str], bool]:
+        """:meth:`_changed`, and whether the topics were told (False: every topic, because one commit's could
+        not be)."""
         if now[:3] == last[:3]:
-            return frozenset()
+            return frozenset(), True
         if last[0] != "counter" or now[0] != "counter" or last[1] != now[1] or last[3] != now[3]:
-            return frozenset(TOPICS)
+            return frozenset(TOPICS), False
         gap = (now[2] - last[2]) % 2**32
         if gap > JOURNAL_SLOTS:
-            return frozenset(TOPICS)
+            return frozenset(TOPICS), False
         values = {(last[2] + i) % 2**32 for i in range(1, gap + 1)}
         with self._cond:
             # Ours: made between the two looks (the WAL's frames), whatever the counter did before (it restarts
@@ -300,20 +323,20 @@ class ChangeSignal:
                     self._own.remove(entry)
         others = values - {e[0] for e in mine}
         if not others:
-            return frozenset()
+            return frozenset(), True
         topics = self._journal_topics(others, last, now)
         if topics is None:  # not written yet, maybe: its process writes it right after its commit
             time.sleep(JOURNAL_GRACE)
             topics = self._journal_topics(others, last, now)
-        return frozenset(TOPICS) if topics is None else frozenset(topics)
+        return (frozenset(TOPICS), False) if topics is None else (frozenset(topics), True)
 
     def _run(self, last: _Signature) -> None:
         while True:
             time.sleep(WATCH_INTERVAL)
             now = self._signature()
-            topics = self._changed(last, now)
+            topics, told = self._changed_told(last, now)
             if topics:
-                self.notify(topics)
+                self.notify(topics, sure=told)
             last = now
             with self._cond:
                 if time.monotonic() - self._last_wait > WATCH_IDLE_STOP:
@@ -350,6 +373,11 @@ class TopicView:
 
     def wait(self, seen: int, timeout: float) -> int:
         return self.signal.wait(self.topic, seen, timeout)
+
+    def surely_since(self, seen: int) -> bool:
+        """Whether a commit about this topic woke it since generation ``seen``, and nothing that only may be
+        (:meth:`ChangeSignal.surely_since`)."""
+        return self.signal.surely_since(self.topic, seen)
 
     def notify(self) -> None:
         self.signal.notify((self.topic,))
@@ -404,10 +432,13 @@ class NotifyingConnection(sqlite3.Connection):
                 if header is not None and _counter(header) == (before + 1) % 2**32 \
                         and self._pb_data_version() == version:
                     signal.expect_own(header, ("data",) if topics is None else topics)
+            if wrote and signal is not None:
+                # Before the process's write lock goes: a waiter that then takes the lock and reads the
+                # generation holding it (the relay's claim, a bus reader's take) counts this commit as seen,
+                # instead of being woken by it afterwards for an empty claim.
+                signal.notify(("data",) if topics is None else topics)
         finally:
             self.pb_end_write()
-        if wrote and signal is not None:
-            signal.notify(("data",) if topics is None else topics)
 
     def _pb_data_version(self) -> int | None:
         """``PRAGMA data_version``: changes when another connection commits to the file."""

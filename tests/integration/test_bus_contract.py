@@ -37,6 +37,7 @@ from bridge.bus.redis_streams import RedisStreamsBus
 from bridge.core.errors import ConfigError
 from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent
 from bridge.db.engine import create_engine
+from tests.support import when_waiting
 from tests.support.buses import Backend, embedded_backend, redis_backend
 from tests.support.rabbitmq import rabbitmq_backend
 
@@ -807,6 +808,40 @@ def test_embedded_on_sqlite_takes_the_write_lock_only_to_deliver_or_acknowledge(
         second = bus.ack_and_read("g", first, "c", ALL, 10, 0.0)
         assert [d.event.data["n"] for d in second if d.event is not None] == [2] and len(writes) == 1
         assert bus.pending_count("g") == 1
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+        engine.dispose()
+
+
+def test_embedded_on_sqlite_a_reader_woken_by_a_publish_takes_without_looking_first(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader of every partition, woken by a publish (a commit about the bus, surely), takes at once: the
+    lock-free look before the take would only find what the wake-up already said (before: a look per event)."""
+    engine = create_engine(sqlite_url)
+    statements: list[str] = []
+
+    def seen(_conn: object, _cursor: object, statement: str, *_rest: object) -> None:
+        statements.append(statement)
+
+    try:
+        bus = EmbeddedBus(engine, partitions=P)
+        bus.ensure_group("g")
+        assert bus.read("g", "c", ALL, 10, 0.2) == []  # the watcher is running, its start-up wake-up taken
+        waiting = when_waiting(monkeypatch, bus._wakeup)
+        sa.event.listen(engine, "before_cursor_execute", seen)
+        got: list[Any] = []
+        reader = threading.Thread(target=lambda: got.extend(bus.read("g", "c", ALL, 10, 10.0)))
+        reader.start()
+        assert waiting.wait(5.0), "the reader did not wait"
+        at = len(statements)
+        bus.publish([_event("inst-1", 1)])
+        reader.join(15)
+        assert [d.event.data["n"] for d in got if d.event is not None] == [1]
+        after = statements[at:]
+        takes = [i for i, s in enumerate(after) if s.startswith("BEGIN IMMEDIATE")]
+        assert len(takes) == 2, after  # the publish, then the take
+        looks = [s for s in after[takes[0] + 1:takes[1]] if "pollbridge_bus_groups" in s and "count" in s]
+        assert looks == [], after
     finally:
         sa.event.remove(engine, "before_cursor_execute", seen)
         engine.dispose()

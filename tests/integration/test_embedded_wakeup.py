@@ -22,7 +22,7 @@ from bridge.bus.base import Delivery
 from bridge.bus.embedded import EmbeddedBus
 from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id, new_trace_id
 from bridge.db.engine import create_engine
-from tests.support import wait_for
+from tests.support import wait_for, when_waiting
 
 pytestmark = pytest.mark.postgres
 
@@ -56,14 +56,7 @@ def test_a_publish_wakes_an_idle_reader_of_another_process(engines: tuple[Engine
     reader._wakeup._listen()
     wait_for(lambda: reader._wakeup.listening, 10.0, what="the reader's process to LISTEN")
     reader._last_delivery -= 10_000
-    waiting = threading.Event()
-    wait = reader._wakeup.wait
-
-    def waits(seen: int, timeout: float) -> int:
-        waiting.set()
-        return wait(seen, timeout)
-
-    monkeypatch.setattr(reader._wakeup, "wait", waits)
+    waiting = when_waiting(monkeypatch, reader._wakeup)
     got: list[Delivery] = []
     done = threading.Event()
 

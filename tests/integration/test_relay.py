@@ -21,7 +21,7 @@ from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings
 from bridge.db.clock import as_utc
 from bridge.db.schema import outbox, outbox_dead, relay_state
-from tests.support import Audit, Env, wait_for
+from tests.support import Audit, Env, wait_for, when_waiting
 from tests.support.buses import drops_single_entries, lose_bus_data
 from tests.support.stacks import ENV_PARAMS_WITH_CLUSTER, make_env
 
@@ -559,6 +559,30 @@ def _claims(seen: list[tuple[str, object]]) -> int:
 def _settled(env: Env, relay: Relay) -> None:
     """Armed, and every transaction that could have missed the flag has ended: the relay sleeps on LISTEN."""
     wait_for(lambda: _armed(env) and relay._horizon is None, 30, what="the relay to arm and pass its horizon")
+
+
+def test_on_sqlite_a_relay_woken_by_a_change_claims_without_looking_first(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite: a commit about data (a task write, whose trigger wrote the outbox row in it) surely woke the idle
+    relay, so its claim goes first, without the lock-free look that would find what the wake-up said (a read
+    transaction per change before)."""
+    if not env.kind.startswith("sqlite"):
+        pytest.skip("PostgreSQL relays are woken by NOTIFY and claim at once")
+    from bridge.db.changes import changes_of
+
+    signal = changes_of(env.engine, "data")
+    assert signal is not None
+    signal.wait(signal.generation, 0.1)  # the watcher runs (its start-up wake-up, not about data, is taken here)
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    assert relay._changes is not None
+    waiting = when_waiting(monkeypatch, relay._changes)
+    running(relay)
+    assert waiting.wait(10), "the relay did not go idle"
+    with _statements(env) as seen:
+        add_tasks(env, "woken", 1)
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 10, what="the change published")
+    peeks = [s for s, _ in seen if s.lstrip().upper().startswith("SELECT POLLBRIDGE_OUTBOX.ID")]
+    assert _claims(seen) == 1 and peeks == [], [s for s, _ in seen]
 
 
 def test_at_a_trickle_each_change_costs_the_relay_one_claim(

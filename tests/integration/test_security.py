@@ -461,7 +461,10 @@ def test_postgresql_sslmode_require_against_a_server_without_ssl_is_one_line(pg_
 
 
 def _walk(group: click.Group, prefix: str = "") -> Iterator[tuple[str, click.Command]]:
-    for name, command in sorted(group.commands.items()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):  # the lazy subcommands too (not in .commands until loaded)
+        command = group.get_command(ctx, name)
+        assert command is not None, name
         yield f"{prefix}{name}", command
         if isinstance(command, click.Group):
             yield from _walk(command, f"{prefix}{name} ")

@@ -64,6 +64,29 @@ def test_a_starting_watcher_wakes_the_waiters_once(engine: Engine) -> None:
     assert signal.wait(seen + 1, 0.3) == seen + 1  # running: no more wake-ups without a commit
 
 
+def test_a_wake_up_is_sure_only_when_a_commit_about_the_topic_made_it(engine: Engine) -> None:
+    """A waiter woken by a commit about its topic may act without looking first; woken by a starting watcher,
+    or by a commit whose topics could not be told (a program other than pollbridge: no journal slot), it may
+    not (the relay's claim and the bus reader's take go first only after a sure one)."""
+    signal = changes_of(engine, "data")
+    assert signal is not None
+    seen = signal.generation
+    started = signal.wait(seen, 2.0)  # the watcher's start wakes every waiter: not about anything
+    assert started != seen and not signal.surely_since(seen)
+    assert not signal.surely_since(started)  # nothing since
+    _loud(engine, "here")  # this process's commit about data
+    assert signal.surely_since(started)
+    here = signal.generation
+    _bus(engine, "publish")  # about the bus: no wake-up for data at all
+    assert signal.generation == here and not signal.surely_since(here)
+    took = _woken_within(signal, here, threading.Thread(target=_foreign, args=(engine, "stranger")), LONG)
+    assert took < 1.0, took
+    assert not signal.surely_since(here)  # a stranger's commit: its topics cannot be told
+    after = signal.generation
+    _loud(engine, "again")
+    assert signal.surely_since(after) and not signal.surely_since(here)  # the unsure one is still between
+
+
 def _woken_within(signal: TopicView, seen: int, act: threading.Thread, limit: float) -> float:
     """Start ``act`` and wait for the generation to move past ``seen``; seconds it took (fails past ``limit``)."""
     started = time.monotonic()
@@ -460,3 +483,32 @@ def test_an_unknown_topic_is_refused() -> None:
     assert check_topics(["bus"]) == frozenset({"bus"})
     with pytest.raises(ValueError, match="unknown topic"):
         check_topics(["bsu"])
+
+
+def test_autocommit_reads_on_sqlite_send_no_begin_and_see_each_commit(engine: Engine) -> None:
+    """``autocommit()`` on SQLite, as on PostgreSQL: each read in its own (implicit) transaction, no ``BEGIN``
+    statement, and a second read on the same connection sees what committed after the first; ``read_only()``
+    keeps its deferred ``BEGIN`` (one snapshot for the transaction)."""
+    from bridge.db.engine import autocommit, read_only
+
+    _loud(engine, "first")
+    sent: list[str] = []
+
+    def seen(_conn: object, _cursor: object, statement: str, *_rest: object) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        with autocommit(engine).connect() as conn:
+            before = conn.execute(sa.select(sa.func.count()).select_from(MARKS)).scalar_one()
+            _loud(engine, "second")  # another connection commits between the two reads
+            after = conn.execute(sa.select(sa.func.count()).select_from(MARKS)).scalar_one()
+        assert (before, after) == (1, 2)
+        reads = [s for s in sent if not s.upper().startswith(("INSERT", "BEGIN IMMEDIATE"))]
+        assert reads and "BEGIN" not in reads, sent
+        sent.clear()
+        with read_only(engine).connect() as conn:
+            conn.execute(sa.select(sa.func.count()).select_from(MARKS)).scalar_one()
+        assert sent[0] == "BEGIN", sent
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,20 @@ def shared_engine(request: pytest.FixtureRequest) -> Engine:
 
 #: Runs the installed ``pollbridge`` script: ``run(*args, env=..., timeout=..., cwd=..., input=...)``.
 Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def when_waiting(monkeypatch: Any, signal: Any) -> threading.Event:
+    """An event set each time ``signal.wait(seen, timeout)`` is called (a wake-up generation a test's reader or
+    relay blocks on): the test then knows the waiter has looked and is about to block, without sleeping."""
+    waiting = threading.Event()
+    inner = signal.wait
+
+    def wait(seen: int, timeout: float) -> int:
+        waiting.set()
+        return int(inner(seen, timeout))
+
+    monkeypatch.setattr(signal, "wait", wait)
+    return waiting
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.05, what: str = "condition") -> None:
