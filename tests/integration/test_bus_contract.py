@@ -829,19 +829,28 @@ def test_embedded_on_sqlite_a_reader_woken_by_a_publish_takes_without_looking_fi
         assert bus.read("g", "c", ALL, 10, 0.2) == []  # the watcher is running, its start-up wake-up taken
         waiting = when_waiting(monkeypatch, bus._wakeup)
         sa.event.listen(engine, "before_cursor_execute", seen)
-        got: list[Any] = []
-        reader = threading.Thread(target=lambda: got.extend(bus.read("g", "c", ALL, 10, 10.0)))
-        reader.start()
-        assert waiting.wait(5.0), "the reader did not wait"
-        at = len(statements)
-        bus.publish([_event("inst-1", 1)])
-        reader.join(15)
-        assert [d.event.data["n"] for d in got if d.event is not None] == [1]
-        after = statements[at:]
-        takes = [i for i, s in enumerate(after) if s.startswith("BEGIN IMMEDIATE")]
-        assert len(takes) == 2, after  # the publish, then the take
-        looks = [s for s in after[takes[0] + 1:takes[1]] if "pollbridge_bus_groups" in s and "count" in s]
-        assert looks == [], after
+        # Up to three publishes: the file watcher may sample the file between a commit of this process and the
+        # note of it as its own, and a descheduled committer then makes that commit a stranger's (a wake-up
+        # that only may be a publish: a look first, rightly). The code before looked at every one.
+        attempts = []
+        for n in range(1, 4):
+            waiting.clear()
+            got: list[Any] = []
+            reader = threading.Thread(target=lambda out=got: out.extend(bus.read("g", "c", ALL, 10, 10.0)))
+            reader.start()
+            assert waiting.wait(5.0), "the reader did not wait"
+            at = len(statements)
+            bus.publish([_event(f"inst-{n}", n)])
+            reader.join(15)
+            assert [d.event.data["n"] for d in got if d.event is not None] == [n]
+            after = statements[at:]
+            takes = [i for i, s in enumerate(after) if s.startswith("BEGIN IMMEDIATE")]
+            assert len(takes) >= 2, after  # the publish, then the take
+            looks = [s for s in after[takes[0] + 1:takes[1]] if "pollbridge_bus_groups" in s and "count" in s]
+            attempts.append(looks)
+            if not looks:
+                break
+        assert [] in attempts, attempts
     finally:
         sa.event.remove(engine, "before_cursor_execute", seen)
         engine.dispose()

@@ -577,12 +577,22 @@ def test_on_sqlite_a_relay_woken_by_a_change_claims_without_looking_first(
     assert relay._changes is not None
     waiting = when_waiting(monkeypatch, relay._changes)
     running(relay)
-    assert waiting.wait(10), "the relay did not go idle"
-    with _statements(env) as seen:
-        add_tasks(env, "woken", 1)
-        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 10, what="the change published")
-    peeks = [s for s, _ in seen if s.lstrip().upper().startswith("SELECT POLLBRIDGE_OUTBOX.ID")]
-    assert _claims(seen) == 1 and peeks == [], [s for s, _ in seen]
+    # Up to three changes: the file watcher may sample the file between this process's commit and its note of it
+    # as its own, and a descheduled committer then makes it a stranger's (only maybe about data: a look first,
+    # rightly). The code before looked before every claim.
+    attempts = []
+    for n in range(1, 4):
+        assert waiting.wait(10), "the relay did not go idle"
+        with _statements(env) as seen:
+            add_tasks(env, f"woken-{n}", 1)
+            wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == n, 10,  # noqa: B023
+                     what="the change published")
+        assert _claims(seen) >= 1
+        attempts.append([s for s, _ in seen if s.lstrip().upper().startswith("SELECT POLLBRIDGE_OUTBOX.ID")])
+        if not attempts[-1]:
+            break
+        waiting.clear()
+    assert [] in attempts, attempts
 
 
 def test_at_a_trickle_each_change_costs_the_relay_one_claim(

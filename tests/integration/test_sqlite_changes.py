@@ -64,27 +64,43 @@ def test_a_starting_watcher_wakes_the_waiters_once(engine: Engine) -> None:
     assert signal.wait(seen + 1, 0.3) == seen + 1  # running: no more wake-ups without a commit
 
 
-def test_a_wake_up_is_sure_only_when_a_commit_about_the_topic_made_it(engine: Engine) -> None:
+def test_a_wake_up_is_sure_only_when_a_commit_about_the_topic_made_it(engine: Engine, tmp_path: Any) -> None:
     """A waiter woken by a commit about its topic may act without looking first; woken by a starting watcher,
     or by a commit whose topics could not be told (a program other than pollbridge: no journal slot), it may
     not (the relay's claim and the bus reader's take go first only after a sure one)."""
+    # The rule, on a signal of its own (no watcher): one wake-up that may not be about the topic, among sure ones,
+    # makes every span that contains it unsure.
+    own = ChangeSignal(tmp_path / "rule.db")
+    g0 = own.generation("data")
+    assert not own.surely_since("data", g0)  # nothing since
+    own.notify(("data",))
+    assert own.surely_since("data", g0)
+    own.notify(("bus",))
+    assert own.generation("data") == g0 + 1  # another topic's commit does not move it
+    g1 = own.generation("data")
+    own.notify(sure=False)  # every topic, maybe
+    own.notify(("data",))
+    assert not own.surely_since("data", g1) and not own.surely_since("data", g0)
+    assert own.surely_since("data", g1 + 1)
+    # The real signal: its watcher's start and a stranger's commit are wake-ups that only may be about data.
     signal = changes_of(engine, "data")
     assert signal is not None
     seen = signal.generation
-    started = signal.wait(seen, 2.0)  # the watcher's start wakes every waiter: not about anything
+    started = signal.wait(seen, 2.0)
     assert started != seen and not signal.surely_since(seen)
-    assert not signal.surely_since(started)  # nothing since
-    _loud(engine, "here")  # this process's commit about data
-    assert signal.surely_since(started)
-    here = signal.generation
-    _bus(engine, "publish")  # about the bus: no wake-up for data at all
-    assert signal.generation == here and not signal.surely_since(here)
-    took = _woken_within(signal, here, threading.Thread(target=_foreign, args=(engine, "stranger")), LONG)
+    took = _woken_within(signal, started, threading.Thread(target=_foreign, args=(engine, "stranger")), LONG)
     assert took < 1.0, took
-    assert not signal.surely_since(here)  # a stranger's commit: its topics cannot be told
-    after = signal.generation
-    _loud(engine, "again")
-    assert signal.surely_since(after) and not signal.surely_since(here)  # the unsure one is still between
+    assert not signal.surely_since(started)  # its topics cannot be told
+    # This process's commit about data is sure. (The watcher may sample the file between such a commit and the
+    # note of it as this process's own; a committer descheduled then makes it a stranger's: a few tries.)
+    sure = []
+    for n in range(3):
+        before = signal.generation
+        _loud(engine, f"here-{n}")
+        sure.append(signal.surely_since(before))
+        if sure[-1]:
+            break
+    assert True in sure, sure
 
 
 def _woken_within(signal: TopicView, seen: int, act: threading.Thread, limit: float) -> float:
