@@ -8,7 +8,8 @@ scheduler (every type in ``cutover``) and a pool of 4 demo workers, all in this 
 seconds of settling it counts ``BEGIN IMMEDIATE`` (every write transaction on SQLite begins with it, see
 ``bridge.db.engine``) for ``--seconds`` idle, then for
 ``--seconds`` while the application inserts one task every ``--interval`` seconds (its own inserts are
-not counted; each is dispatched, run and completed, so the figure includes that work). Twice: with the
+not counted; each is dispatched, run and completed, so the figure includes that work), and, busy, the
+lock-free looks before a claim (the relay's) or a take (the bus's reader's). Twice: with the
 relay, the scheduler's bus reads and the workers looking for work without the lock first (what they do),
 then with those looks switched off (what they did until 2026-12-01). Every write transaction of one
 process makes the others wait: on SQLite the idle ones are pure contention.
@@ -57,12 +58,16 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
         assert isinstance(bus, EmbeddedBus)
         bus._look_first = False
     writes = [0]
+    looks = [0]  # with tasks: the lock-free looks before a claim (the relay) or a take (the bus's reader)
     counting = threading.Lock()  # the relay's thread and the workers' count at once
 
     def seen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
         if statement.startswith("BEGIN IMMEDIATE"):
             with counting:
                 writes[0] += 1
+        elif _is_look(statement):
+            with counting:
+                looks[0] += 1
 
     stop = threading.Event()
     threads = [threading.Thread(target=relay.run, args=(stop,), daemon=True),
@@ -77,7 +82,7 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
             writes[0] = 0
         stop.wait(seconds)
         with counting:
-            idle, writes[0] = writes[0] / seconds, 0
+            idle, writes[0], looks[0] = writes[0] / seconds, 0, 0
         inserted, started = 0, time.monotonic()
         while time.monotonic() - started < seconds:
             with engine.begin() as conn:
@@ -87,6 +92,7 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
         elapsed = time.monotonic() - started
         with counting:
             trickle = (writes[0] - inserted) / elapsed
+            looked = looks[0] / elapsed
         completed = pool.stats().completed
     finally:
         stop.set()
@@ -95,7 +101,14 @@ def measure(directory: Path, *, look_first: bool, seconds: float, interval: floa
         pool.stop()
         engine.dispose()
     return {"idle_writes_per_s": round(idle, 1), "trickle_writes_per_s": round(trickle, 1),
-            "changes_per_s": round(inserted / elapsed, 1), "inserted": inserted, "completed": completed}
+            "trickle_looks_per_s": round(looked, 1), "changes_per_s": round(inserted / elapsed, 1),
+            "inserted": inserted, "completed": completed}
+
+
+def _is_look(statement: str) -> bool:
+    """The relay's peek at the outbox, or the embedded bus's look at the log (the offsets and "anything after")."""
+    return statement.startswith("SELECT pollbridge_outbox.id FROM pollbridge_outbox") or (
+        statement.startswith("SELECT (SELECT count(*)") and "pollbridge_bus_groups" in statement)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         results = {"look first (now)": measure(Path(tmp), look_first=True, seconds=seconds, interval=args.interval),
                    "claim every cycle (before)": measure(Path(tmp), look_first=False, seconds=seconds,
                                                          interval=args.interval)}
-    print(f"{'relay, scheduler, 4 workers':<32} {'idle writes/s':>14} {'writes/s with tasks':>20}")
+    print(f"{'relay, scheduler, 4 workers':<32} {'idle writes/s':>14} {'writes/s with tasks':>20} "
+          f"{'looks/s with tasks':>19}")
     for name, r in results.items():
-        print(f"{name:<32} {r['idle_writes_per_s']:>14} {r['trickle_writes_per_s']:>20}  "
+        print(f"{name:<32} {r['idle_writes_per_s']:>14} {r['trickle_writes_per_s']:>20} "
+              f"{r['trickle_looks_per_s']:>19}  "
               f"({r['changes_per_s']} tasks/s inserted; {r['completed']} of {r['inserted']} completed)")
     write_json(args.json_path, {"machine": machine(), "seconds": seconds, "interval": args.interval,
                                 "results": results})

@@ -247,9 +247,9 @@ class Relay:
             # the rows are unpublished again.
             rows = self.queries.claim_run.all(conn, {})  # once per cycle: straight to the driver
             if self._changes is not None:
-                # SQLite, holding the write lock: every commit before this one is in the claim, so a wake-up
-                # for a commit before now would only make an empty claim (measured with the generation taken
-                # before the lock: 9 % more write transactions per task in `bench.sqlite_locks`).
+                # SQLite, holding the write lock: every commit before this one is in the claim, so only a
+                # commit after it may wake the relay to claim again (taken before the lock, the generation let a
+                # commit the claim took wake it for an empty one).
                 self._seen = self._changes.generation
             if not rows:
                 return 0

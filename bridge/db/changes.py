@@ -296,15 +296,10 @@ class ChangeSignal:
             return ("counter", self._shm[1], _counter(header), _salt(header), _frames(header))
         return ("files", None, self._files(), 0, 0)
 
-    def _changed(self, last: _Signature, now: _Signature) -> frozenset[str]:
+    def _changed(self, last: _Signature, now: _Signature) -> tuple[frozenset[str], bool]:
         """The topics other processes' commits between two signatures were about (empty: none, or only this
-        process's own commits); every topic when one of them cannot be told (see the module docstring)."""
-        topics, _ = self._changed_told(last, now)
-        return topics
-
-    def _changed_told(self, last: _Signature, now: _Signature) -> tuple[frozenset[str], bool]:
-        """:meth:`_changed`, and whether the topics were told (False: every topic, because one commit's could
-        not be)."""
+        process's own commits), and whether they were told; every topic, not told, when one commit's cannot be
+        (see the module docstring)."""
         if now[:3] == last[:3]:
             return frozenset(), True
         if last[0] != "counter" or now[0] != "counter" or last[1] != now[1] or last[3] != now[3]:
@@ -334,7 +329,7 @@ class ChangeSignal:
         while True:
             time.sleep(WATCH_INTERVAL)
             now = self._signature()
-            topics, told = self._changed_told(last, now)
+            topics, told = self._changed(last, now)
             if topics:
                 self.notify(topics, sure=told)
             last = now

@@ -179,7 +179,7 @@ def autocommit(engine: Engine) -> Engine:
     default's 25 in `bench.cost`)."""
     if engine.dialect.name == "postgresql":
         return engine.execution_options(isolation_level="AUTOCOMMIT")
-    return engine.execution_options(**{READ_ONLY: True, STATEMENTS_ALONE: True})
+    return engine.execution_options(**{STATEMENTS_ALONE: True})
 
 
 def discard(conn: Connection | None) -> None:

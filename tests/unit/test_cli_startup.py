@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from bridge.cli.common import PollbridgeGroup
@@ -68,9 +69,5 @@ def test_each_lazy_command_resolves_to_the_command_of_its_name() -> None:
 
 def test_a_lazy_entry_that_names_the_wrong_command_is_an_error_not_another_command() -> None:
     group = PollbridgeGroup("g", lazy={"status": "bridge.cli.observe:explain"})
-    try:
+    with pytest.raises(RuntimeError, match="not the command 'status'"):
         group.get_command(click.Context(group), "status")
-    except RuntimeError as exc:
-        assert "not the command 'status'" in str(exc)
-    else:
-        raise AssertionError("a lazy entry naming another command was accepted")
