@@ -57,7 +57,7 @@ from bridge.core.ratelimit import TypeLimits
 from bridge.core.settings import SchedulerSettings, TypeSettings
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
-from bridge.db.engine import autocommit
+from bridge.db.engine import about, autocommit
 from bridge.tasktable.dispatch import ReadyTask, dispatch_many, skip_many
 from bridge.tasktable.review import Parking, park
 from bridge.tasktable.tables import TaskTable
@@ -217,6 +217,7 @@ class Evaluator:
         self.timeouts = pollbridge_retries and writable(tables, "failed")
         tune_sessions(engine)
         self._single = autocommit(engine)
+        self._dispatches = about(engine, "work")
         self._pg = engine.dialect.name == "postgresql"
         self.holder = holder or holder_name()
         self._lock = threading.Lock()  # guards _counts and _held
@@ -397,8 +398,8 @@ class Evaluator:
         if to_dispatch:
             if self._pg:  # one statement (a CTE): atomic without BEGIN/COMMIT, on the caller's connection
                 won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
-            else:
-                with self.engine.begin() as wconn:
+            else:  # on SQLite a dispatch wakes the workers, not the relay (a dispatch is a quiet change)
+                with self._dispatches.begin() as wconn:
                     won = dispatch_many(wconn, self.tables, to_dispatch, "events", traces)
             result.dispatched.extend(won)
             with self._lock:

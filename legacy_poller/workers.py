@@ -62,7 +62,8 @@ class WorkerPool:
         self._reader = read_only(engine)
         self._peek = (sa.select(tables.col("id")).where(tables.status_in("dispatched")).limit(1)
                       if engine.dialect.name == "sqlite" else None)
-        self._changes = changes_of(engine, "data")
+        # Woken by any commit about data, and by the event scheduler's dispatches (``work``: they wake no relay).
+        self._changes = changes_of(engine, "data", "work")
         self._lock = threading.Lock()
         self.completed = 0
         self.failed = 0

@@ -43,7 +43,7 @@ from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import read_backlog
 from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, REASSERT_ARMED_SQL, RelayQueries
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
-from bridge.capture.triggers import NOTIFY_CHANNEL
+from bridge.capture.triggers import NOTIFY_CHANNEL, quiet_statuses
 from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
 from bridge.core.events import TASK_CHANGES, CloudEvent, EventFormatError, change_event_type, encoded_event
@@ -237,6 +237,10 @@ class Relay:
         # (the peek before a claim, the backlog probe) go through a deferred, lock-free transaction.
         self._reader = None if self.pg else read_only(engine)
         self._valid_statuses = statuses.values() if statuses is not None else None
+        #: Status values whose changes notify no one (the trigger's quiet_statuses), and how many of the last
+        #: claim's rows were not such changes: only those count towards ``notify_max_rate``.
+        self._quiet = frozenset(quiet_statuses(statuses)) if statuses is not None else frozenset()
+        self._loud = 0
         ensure_state_row(engine, partition)
 
     # --- one batch ----------------------------------------------------------------------------------
@@ -252,7 +256,10 @@ class Relay:
                 # commit the claim took wake it for an empty one).
                 self._seen = self._changes.generation
             if not rows:
+                self._loud = 0
                 return 0
+            quiet = self._quiet
+            self._loud = sum(1 for r in rows if r.change != "status" or r.new_status not in quiet)
             good: list[Any] = []
             dead: list[tuple[Any, str]] = []
             valid = self._valid_statuses
@@ -525,7 +532,8 @@ class Relay:
                     backoff.reset()
                     if handled:
                         last_rows = time.monotonic()
-                        self._rate.add(handled, last_rows)
+                        # The rate that NOTIFY's lock costs the writers: changes that notify, not quiet ones.
+                        self._rate.add(self._loud, last_rows)
                     # Housekeeping that is due wakes the loop, but only a change or the probe's own timer
                     # makes it look at the outbox (_look).
                     until = min(next_heartbeat, next_epoch, next_purge)

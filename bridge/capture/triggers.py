@@ -36,6 +36,9 @@ Wake-up modes (PostgreSQL; SQLite has no NOTIFY and always probes):
   notification per transaction). NOTIFY serialises committing transactions on a cluster-wide lock.
 * ``adaptive``: notify only while the relay is *armed*, which it is only after the outbox stayed
   empty for a while; under load the trigger reads one flag row and never notifies.
+
+In both, a status change into a dispatched value notifies no one (:func:`quiet_statuses`): it cannot make a
+task ready, and its row is published with the relay's next claim.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import NoSuchTableError
 
 from bridge.core.errors import MappingMismatch
-from bridge.core.mapping import RelatedTable
+from bridge.core.mapping import RelatedTable, StatusValues
 from bridge.core.settings import WAKE_MODES, WakeMode
 from bridge.db.schema import OUTBOX_CHANNEL
 from bridge.db.sqlblocks import render, sql_literal
@@ -369,9 +372,21 @@ def _read_view(conn: Connection, tt: TaskTable) -> str | None:
     return _pg_qualified(conn, tt.tasks) if conn.dialect.name == "postgresql" else _table_sql(conn, tt.tasks)
 
 
+def quiet_statuses(st: StatusValues) -> tuple[str, ...]:
+    """The stored status values a captured status change into which wakes no relay: ``dispatched``. Such a
+    change cannot make any task ready (the event scheduler acknowledges it unread: ``EventScheduler._may_matter``),
+    so its outbox row rides on the relay's next claim, made for the next change that can, or on its idle probe
+    (``relay.idle_probe_interval``). ``bench.cost``, trigger, 2 completions/s: the scheduler's own dispatch was a
+    claim and a notification read, 2 of the 6 transactions per completion. ``running`` is not quiet: a type with
+    a running timeout arms its timer from that event, and one of 2 s would fire up to the idle probe late."""
+    return tuple(v for v in st.of("dispatched") if v is not None)
+
+
 def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_partitions: int, *,
-               many: bool) -> dict[str, str]:
-    """The PostgreSQL-only placeholders: function home, pinned search path, outbox, partition, wake-up."""
+               many: bool, quiet: tuple[str, ...] = ()) -> dict[str, str]:
+    """The PostgreSQL-only placeholders: function home, pinned search path, outbox, partition, wake-up.
+
+    ``quiet``: the stored status values whose status change notifies no relay (:func:`quiet_statuses`)."""
     schema = pollbridge_schema(conn)
     home = conn.dialect.identifier_preparer.quote_schema(schema)
     partition_expr = "0"
@@ -384,6 +399,9 @@ def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_p
         # A related change may concern tasks of several relay partitions: wake if any relay is armed.
         notify = render("postgresql", "notify_when_any_armed" if many else "notify_when_armed",
                         relay_state=f"{home}.pollbridge_relay_state")
+    if notify and quiet:
+        notify = render("postgresql", "notify_unless_quiet", notify=notify,
+                        quiet=", ".join(sql_literal(v) for v in quiet))
     return {
         "home": home,
         # pg_catalog first and pg_temp last: nothing of the writer's session can stand in for what it names.
@@ -411,7 +429,7 @@ def _placeholders(conn: Connection, tt: TaskTable, target: sa.Table, wake: WakeM
     })
     if not pg:
         return values
-    extra = _pg_values(conn, values, wake, relay_partitions, many=False)
+    extra = _pg_values(conn, values, wake, relay_partitions, many=False, quiet=quiet_statuses(tt.statuses))
     return {**values, **extra, "function": f"{extra['home']}.{FUNCTION_NAME}"}
 
 

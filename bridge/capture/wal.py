@@ -72,7 +72,7 @@ from bridge.capture.pgoutput import (
     lsn_text,
 )
 from bridge.capture.queries import INVISIBLE_XIDS_SQL, event_payload_sql
-from bridge.capture.triggers import CAPTURED, WATCHED, capture_status, capture_target, related_targets
+from bridge.capture.triggers import CAPTURED, WATCHED, capture_status, capture_target, quiet_statuses, related_targets
 from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
@@ -106,6 +106,10 @@ FEEDBACK_INTERVAL = 10.0
 #: :meth:`WalCapture._await_visible`): below the server's wal_sender_timeout (60 s by default), since the
 #: stream sends no feedback meanwhile.
 VISIBLE_WAIT = 20.0
+#: Longest a batch of quiet changes only (status changes into a dispatched value, which cannot make a task
+#: ready: :func:`bridge.capture.triggers.quiet_statuses`) waits for a change that can, to go out in one
+#: transaction with it (the relay's ``idle_probe_interval`` by default, as a quiet row waits with triggers).
+HOLD_QUIET = 5.0
 #: pgoutput's options: protocol 1, the publication, and logical decoding messages (a switch's marker).
 STREAM_OPTIONS = {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"}
 _EVENT_NAMESPACE = uuid.UUID("6f1c2a8e-3b51-4d0e-9a57-1f2b9c7d4e10")
@@ -446,8 +450,13 @@ class WalCapture:
     separately testable."""
 
     def __init__(self, engine: Engine, tables: TaskTable, bus: EventBus, *, relay_partitions: int = 1,
-                 foreign: TaskTableMapping | None = None, batch_rows: int = BATCH_ROWS) -> None:
+                 foreign: TaskTableMapping | None = None, batch_rows: int = BATCH_ROWS,
+                 hold_quiet: float = HOLD_QUIET) -> None:
         self.engine = engine
+        #: How long the stream keeps a batch of quiet changes only (:meth:`_holds`); 0: never.
+        self.hold_quiet = hold_quiet
+        self._quiet = frozenset(quiet_statuses(tables.statuses))
+        self._holding_since: float | None = None
         self.tables = tables
         self.bus = bus
         self.relay_partitions = relay_partitions
@@ -998,14 +1007,16 @@ class WalCapture:
                         self._flush_and_confirm(cur)
                         last_feedback = time.monotonic()
                     continue
-                # Nothing waiting: what is pending goes out now (a batch is what arrived together).
-                if self.pending.rows or self.pending.end_lsn > self.confirmed_lsn:
+                # Nothing waiting: what is pending goes out now (a batch is what arrived together), unless it is
+                # quiet changes only, which wait for a change that can make a task ready (or their hold's end).
+                held = self._holds(time.monotonic())
+                if held is None and (self.pending.rows or self.pending.end_lsn > self.confirmed_lsn):
                     self._flush_and_confirm(cur)
                     last_feedback = time.monotonic()
                 elif time.monotonic() - last_feedback >= FEEDBACK_INTERVAL:
                     cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=False)
                     last_feedback = time.monotonic()
-                select.select([cur], [], [], 0.5)
+                select.select([cur], [], [], 0.5 if held is None else max(0.0, min(0.5, held)))
         finally:
             conn.close()
 
@@ -1072,7 +1083,25 @@ class WalCapture:
             while cur.read_message() is not None:
                 pass
 
+    def _holds(self, now: float) -> float | None:
+        """Seconds the pending batch may still be held (None: it goes out now). Held: a batch of status changes
+        into a quiet value only (dispatches), for up to :attr:`hold_quiet` from its first, so that it
+        goes out in one transaction with the next change that can make a task ready. At a trickle each such
+        batch was a transaction of its own, and one more decoded by the walsender (``bench.cost``, wal, 2
+        completions/s). Unconfirmed meanwhile: a crash streams it again, as any batch."""
+        rows = self.pending.rows
+        if not rows or self.hold_quiet <= 0 or not all(
+                r.get("change") == "status" and r.get("new_status") in self._quiet and "pb_related" not in r
+                for r in rows):
+            self._holding_since = None
+            return None
+        if self._holding_since is None:
+            self._holding_since = now
+        left = self._holding_since + self.hold_quiet - now
+        return left if left > 0 else None
+
     def _flush_and_confirm(self, cur: Any) -> None:
+        self._holding_since = None
         self.flush()
         if self.confirmed_lsn:
             cur.send_feedback(flush_lsn=self.confirmed_lsn)

@@ -16,11 +16,13 @@ process replaces those polls with two signals:
   header (a database not in WAL mode) it compares the size and modification time of the files instead.
 
 **Topics, and this process's own commits.** A commit says what it is about: ``data`` (the default: a task
-written, an outbox row, a flag), ``bus`` (an embedded-bus publish), or nothing at all (a quiet commit: a lease
-renewal, a bus reader's offsets and acknowledgements, which no one waits for). A waiter waits for one topic
-(:meth:`ChangeSignal.view`): the relay, the workers and the flag router for ``data``, the bus's readers for
-``bus``. Idle, lease renewals were the only commits, and each woke every waiter into a look; busy, every
-dispatch's half-dozen commits woke the bus's readers. Every commit of this process also tells the watcher
+written, an outbox row, a flag), ``bus`` (an embedded-bus publish), ``work`` (the event scheduler's dispatch: work
+for the workers, and nothing the relay need hurry for: :func:`bridge.capture.triggers.quiet_statuses`), or nothing
+at all (a quiet commit: a lease renewal, a bus reader's offsets and acknowledgements, which no one waits
+for). A waiter waits for some topics (:meth:`ChangeSignal.view`): the relay and the flag router for
+``data``, the workers for ``data`` and ``work``, the bus's readers for ``bus``. Idle, lease renewals were the
+only commits, and each woke every waiter into a look; busy, every dispatch's half-dozen commits woke the bus's
+readers. Every commit of this process also tells the watcher
 its counter value (read inside the transaction, while it holds the database's one write lock, so no other
 commit can come between; plus one), so the watcher signals only other processes' commits (on their topics,
 below): a commit it was not told about is never taken for one of ours (the worst case is a spurious wake-up, a look
@@ -75,7 +77,7 @@ OWN_REMEMBERED = 1000
 
 
 #: What a commit can be about; a waiter waits for one of them.
-TOPICS = ("data", "bus")
+TOPICS = ("data", "bus", "work")
 #: A look at the files: ("counter", -shm inode, iChange, WAL salt, WAL frames) or ("files", None, sizes, 0, 0).
 _Signature = tuple[str, Any, Any, int, int]
 #: Slots of the topic journal (a value's slot is the value modulo this), each ``=IIIIII``: counter value, topics
@@ -132,8 +134,9 @@ class ChangeSignal:
                     self._unsure[topic] = self._gens[topic]
             self._cond.notify_all()
 
-    def generation(self, topic: str) -> int:
-        return self._gens[topic]
+    def generation(self, topic: str | tuple[str, ...]) -> int:
+        """The generation of ``topic`` (of several: their sum, which moves whenever one of them does)."""
+        return self._gens[topic] if isinstance(topic, str) else sum(self._gens[t] for t in topic)
 
     def surely_since(self, topic: str, seen: int) -> bool:
         """Whether every wake-up of ``topic`` after generation ``seen`` was a commit about it (and there was
@@ -141,11 +144,14 @@ class ChangeSignal:
         with self._cond:
             return self._gens[topic] != seen and self._unsure[topic] <= seen
 
-    def view(self, topic: str) -> TopicView:
-        """The signal as seen by a waiter for ``topic``."""
-        if topic not in self._gens:
-            raise ValueError(f"unknown topic {topic!r}; one of {', '.join(TOPICS)}")
-        return TopicView(self, topic)
+    def view(self, *topics: str) -> TopicView:
+        """The signal as seen by a waiter for ``topics`` (woken by a commit about any of them)."""
+        if not topics:
+            raise ValueError("a view needs a topic")
+        for topic in topics:
+            if topic not in self._gens:
+                raise ValueError(f"unknown topic {topic!r}; one of {', '.join(TOPICS)}")
+        return TopicView(self, topics[0] if len(topics) == 1 else tuple(topics))
 
     def change_counter(self) -> int | None:
         """The WAL-index header's ``iChange`` now (None: no header to read)."""
@@ -212,16 +218,17 @@ class ChangeSignal:
                 topics.update(t for i, t in enumerate(TOPICS) if mask & (1 << i))
         return topics
 
-    def wait(self, topic: str, seen: int, timeout: float) -> int:
-        """Wait until ``topic``'s generation moves past ``seen`` (a commit about it here, or any commit of another
-        process) or ``timeout`` passes; returns the current generation."""
+    def wait(self, topic: str | tuple[str, ...], seen: int, timeout: float) -> int:
+        """Wait until ``topic``'s generation (:meth:`generation`) moves past ``seen`` (a commit about it here, or
+        any commit of another process) or ``timeout`` passes; returns the current generation."""
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             self._watch()  # in slices below WATCH_IDLE_STOP: the watcher never stops under a waiter
             with self._cond:
                 remaining = deadline - time.monotonic()
-                if self._gens[topic] != seen or remaining <= 0:
-                    return self._gens[topic]
+                now = self.generation(topic)
+                if now != seen or remaining <= 0:
+                    return now
                 self._cond.wait(min(remaining, WATCH_IDLE_STOP / 2))
 
     def _watch(self) -> None:
@@ -355,10 +362,10 @@ def _salt(header: bytes) -> int:
 
 
 class TopicView:
-    """One topic of a :class:`ChangeSignal`, with the interface of a generation counter (``generation``,
-    ``wait(seen, timeout)``, ``notify()``)."""
+    """One topic (or several) of a :class:`ChangeSignal`, with the interface of a generation counter
+    (``generation``, ``wait(seen, timeout)``, ``notify()``)."""
 
-    def __init__(self, signal: ChangeSignal, topic: str) -> None:
+    def __init__(self, signal: ChangeSignal, topic: str | tuple[str, ...]) -> None:
         self.signal = signal
         self.topic = topic
 
@@ -371,11 +378,13 @@ class TopicView:
 
     def surely_since(self, seen: int) -> bool:
         """Whether a commit about this topic woke it since generation ``seen``, and nothing that only may be
-        (:meth:`ChangeSignal.surely_since`)."""
+        (:meth:`ChangeSignal.surely_since`; a view of one topic only)."""
+        if not isinstance(self.topic, str):
+            raise TypeError("surely_since needs a view of one topic")
         return self.signal.surely_since(self.topic, seen)
 
     def notify(self) -> None:
-        self.signal.notify((self.topic,))
+        self.signal.notify((self.topic,) if isinstance(self.topic, str) else self.topic)
 
 
 class NotifyingConnection(sqlite3.Connection):
@@ -501,10 +510,10 @@ def change_signal(engine: Engine) -> ChangeSignal | None:
         return signal
 
 
-def changes_of(engine: Engine, topic: str) -> TopicView | None:
-    """What a waiter for ``topic`` waits on for ``engine``'s SQLite database file (None: not a SQLite file)."""
+def changes_of(engine: Engine, *topics: str) -> TopicView | None:
+    """What a waiter for ``topics`` waits on for ``engine``'s SQLite database file (None: not a SQLite file)."""
     signal = change_signal(engine)
-    return None if signal is None else signal.view(topic)
+    return None if signal is None else signal.view(*topics)
 
 
 def remove_journal(engine: Engine) -> bool:

@@ -283,6 +283,46 @@ def walcap_each(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Capt
 
 
 @pytest.mark.postgres
+def test_quiet_changes_wait_for_the_next_change_that_can_make_a_task_ready(walcap: Capture) -> None:
+    """A dispatch cannot make a task ready: streamed alone, dispatches are held (unconfirmed) and written with the
+    next change that can, in one transaction of pollbridge's (at a trickle each was a transaction of its own, and
+    one more the walsender decoded); held alone, they go out at the hold's end."""
+    capture = WalCapture(walcap.engine, walcap.tables, walcap.bus, hold_quiet=60.0)
+    stop = threading.Event()
+    streamer = threading.Thread(target=capture.run, args=(stop,), daemon=True)
+    streamer.start()
+    t = walcap.tables.tasks
+
+    def written() -> list[Any]:
+        with walcap.engine.connect() as conn:
+            return list(conn.execute(sa.select(outbox.c.new_status, sa.literal_column("xmin::text").label("xid"))
+                                     .where(outbox.c.instance_id == "hold").order_by(outbox.c.id)).all())
+
+    def move(key: str, status: str) -> None:
+        with walcap.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id == ids[key]).values(status=status))
+
+    try:
+        ids = _new_instance(walcap, "hold", ["a", "b", "c"])
+        wait_for(lambda: len(written()) == 3, 30.0, what="the inserts captured")
+        move("a", "queued")
+        move("b", "queued")
+        wait_for(lambda: len(capture.pending.rows) == 2, 10.0, what="the two dispatches held")
+        assert len(written()) == 3 and capture.confirmed_lsn < capture.pending.end_lsn
+        move("a", "running")
+        wait_for(lambda: len(written()) == 6, 10.0, what="the start written with the held dispatches")
+        rows = written()[3:]
+        assert [r.new_status for r in rows] == ["queued", "queued", "running"]
+        assert len({r.xid for r in rows}) == 1, rows
+        capture.hold_quiet = 0.5
+        move("c", "queued")
+        wait_for(lambda: len(written()) == 7, 10.0, what="a quiet change alone written at its hold's end")
+    finally:
+        stop.set()
+        streamer.join(15)
+
+
+@pytest.mark.postgres
 def test_changes_are_captured_in_commit_order(walcap_each: Capture) -> None:
     """A transaction that wrote first but commits last (the case the trigger's outbox ids get wrong) comes
     last: the log is in commit order, and so are the outbox ids."""

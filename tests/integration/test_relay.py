@@ -626,6 +626,49 @@ def test_at_a_trickle_each_change_costs_the_relay_one_claim(
     assert not [s for s, _ in seen if "pollbridge_relay_state" in s]  # the flag stayed up
 
 
+def test_a_dispatch_wakes_no_relay_and_rides_on_the_next_claim(
+        env: Env, running: Callable[[Relay], threading.Event]) -> None:
+    """A status change into a dispatched value cannot make a task ready: its commit notifies no relay (a claim and
+    a notification read per change before: 2 of the 6 transactions per completion of ``bench.cost``, trigger,
+    2/s), and its row is published with the claim of the next change that notifies. A start still notifies (a
+    running timeout is armed from it)."""
+    _postgres_only(env)
+    import psycopg
+
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    running(relay)
+    _settled(env, relay)
+    add_tasks(env, "quiet", 1)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 4, what="the insert published")
+    statuses = env.tables.mapping.statuses
+    status = env.tables.tasks.c[env.tables.mapping.columns.status]
+    url = env.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as listener, _statements(env) as seen:
+        listener.execute(f"LISTEN {OUTBOX_CHANNEL}")
+        listener.execute("LISTEN pollbridge_test_sentinel")
+        with env.engine.begin() as conn:
+            conn.execute(env.tables.tasks.update().where(env.tables.tasks.c.instance_id == "quiet")
+                         .values({status: statuses.write("dispatched")}))
+        # Notifications reach a listener in commit order: one sent after the dispatch comes after the dispatch's.
+        with env.engine.begin() as conn:
+            conn.exec_driver_sql("NOTIFY pollbridge_test_sentinel")
+        heard = []
+        for n in listener.notifies(timeout=10):
+            if n.channel == "pollbridge_test_sentinel":
+                break
+            heard.append(n.channel)
+        assert heard == [], f"a dispatch notified {heard}"
+        assert relay.metrics.value("pollbridge_relay_published_total") == 1
+        with env.engine.begin() as conn:  # running: it notifies, and the claim takes the dispatch with it
+            conn.execute(env.tables.tasks.update().where(env.tables.tasks.c.instance_id == "quiet")
+                         .values({status: statuses.write("running")}))
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 3, 4,
+                 what="the start and the quiet dispatch published (the timers are 5 and 30 s)")
+    assert _claims(seen) == 1, [str(p)[:200] for s, p in seen if s.lstrip().upper().startswith("UPDATE POLL")]
+
+
 def test_a_writer_that_read_the_flag_down_is_published_without_waiting_for_the_fallback(
         env: Env, running: Callable[[Relay], threading.Event]) -> None:
     """The race that arming opens: a writer's trigger reads the flag before the relay raises it (so its commit

@@ -8,13 +8,14 @@ see its commits) and, for the bus, by a real subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,10 +46,10 @@ def engine(sqlite_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def _signal(engine: Engine, topic: str = "data") -> TopicView:
-    """The engine's signal for ``topic`` with its watcher running (a starting watcher wakes every waiter once:
-    absorbed here, so a wake-up the tests see is a commit's)."""
-    signal = changes_of(engine, topic)
+def _signal(engine: Engine, *topics: str) -> TopicView:
+    """The engine's signal for ``topics`` (``data`` by default) with its watcher running (a starting watcher wakes
+    every waiter once: absorbed here, so a wake-up the tests see is a commit's)."""
+    signal = changes_of(engine, *(topics or ("data",)))
     assert signal is not None
     signal.wait(signal.generation, 0.1)  # starts the watcher (and takes its wake-up) if it is not running
     return signal
@@ -295,11 +296,37 @@ _COMMITTER = (
     "marks = sa.table('marks', sa.column('mark', sa.String))\n"
     "for n, line in enumerate(sys.stdin):\n"
     "    kind = line.strip()\n"
-    "    chosen = {'quiet': quiet(engine), 'bus': about(engine, 'bus'), 'data': engine}[kind]\n"
+    "    chosen = {'quiet': quiet(engine), 'bus': about(engine, 'bus'), 'work': about(engine, 'work'),\n"
+    "              'data': engine}[kind]\n"
     "    with chosen.begin() as conn:\n"
     "        conn.execute(marks.insert().values(mark=f'{kind}{n}'))\n"
     "    print('ok', flush=True)\n"
 )
+
+
+@contextlib.contextmanager
+def _another_process(engine: Engine, first: TopicView, second: TopicView,
+                     second_within: float = 0.3) -> Iterator[Callable[[str], tuple[bool, bool]]]:
+    """Another pollbridge process committing on demand: ``commit(kind)`` makes one commit of ``kind`` there (one of
+    :data:`_COMMITTER`'s) and says whether ``first`` and ``second`` were woken."""
+    other = subprocess.Popen([sys.executable, "-c", _COMMITTER, str(engine.url)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert other.stdin is not None and other.stdout is not None
+
+    def commit(kind: str) -> tuple[bool, bool]:
+        seen_first, seen_second = first.generation, second.generation
+        other.stdin.write(f"{kind}\n")  # type: ignore[union-attr]
+        other.stdin.flush()  # type: ignore[union-attr]
+        assert other.stdout.readline().strip() == "ok"  # type: ignore[union-attr]
+        woke_second = second.wait(seen_second, second_within) != seen_second
+        return first.wait(seen_first, 0.05 if woke_second else 0.3) != seen_first, woke_second
+
+    try:
+        commit("quiet")  # the other process's start-up commits (its first journal write) are behind us
+        yield commit
+    finally:
+        other.stdin.close()
+        other.wait(30)
 
 
 def test_another_pollbridge_process_wakes_only_the_topics_of_its_commits(engine: Engine) -> None:
@@ -310,30 +337,31 @@ def test_another_pollbridge_process_wakes_only_the_topics_of_its_commits(engine:
     taken for a stranger's, on purpose.)"""
     _loud(engine, "setup")
     data, bus = _signal(engine, "data"), _signal(engine, "bus")
-    other = subprocess.Popen([sys.executable, "-c", _COMMITTER, str(engine.url)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-    assert other.stdin is not None and other.stdout is not None
-
-    def commit(kind: str) -> tuple[bool, bool]:
-        """One commit of ``kind`` in the other process; whether the data and the bus waiters were woken."""
-        seen_data, seen_bus = data.generation, bus.generation
-        other.stdin.write(f"{kind}\n")  # type: ignore[union-attr]
-        other.stdin.flush()  # type: ignore[union-attr]
-        assert other.stdout.readline().strip() == "ok"  # type: ignore[union-attr]
-        woke_bus = bus.wait(seen_bus, 0.3) != seen_bus
-        return data.wait(seen_data, 0.05 if woke_bus else 0.3) != seen_data, woke_bus
-
-    try:
-        commit("quiet")  # the other process's start-up commits (its first journal write) are behind us
+    with _another_process(engine, data, bus) as commit:
         quiet_wakes = [commit("quiet") for _ in range(10)]
         bus_wakes = [commit("bus") for _ in range(10)]
         data_wakes = [commit("data") for _ in range(5)]
-    finally:
-        other.stdin.close()
-        other.wait(30)
     assert sum(d or b for d, b in quiet_wakes) <= 3, quiet_wakes
     assert all(b for _, b in bus_wakes) and sum(d for d, _ in bus_wakes) <= 3, bus_wakes
     assert all(d for d, _ in data_wakes), data_wakes
+
+
+def test_a_dispatch_wakes_the_workers_and_not_the_relay(engine: Engine) -> None:
+    """The event scheduler's dispatch commits about ``work``: it wakes the workers (who wait for data and work), not
+    the relay (data only; the dispatch's outbox row is a quiet change), in this process and from another. A data
+    commit wakes both. (From another process a few wake-ups too many are allowed, as above.)"""
+    _loud(engine, "setup")
+    relay, workers = _signal(engine, "data"), _signal(engine, "data", "work")
+    seen_relay, seen_workers = relay.generation, workers.generation
+    with about(engine, "work").begin() as conn:
+        conn.execute(MARKS.insert().values(mark="dispatched here"))
+    assert workers.wait(seen_workers, 2.0) != seen_workers
+    assert relay.wait(seen_relay, 0.3) == seen_relay
+    with _another_process(engine, relay, workers, LONG) as commit:
+        work_wakes = [commit("work") for _ in range(8)]
+        data_wakes = [commit("data") for _ in range(3)]
+    assert all(w for _, w in work_wakes) and sum(r for r, _ in work_wakes) <= 3, work_wakes
+    assert all(r and w for r, w in data_wakes), data_wakes
 
 
 def test_uninstall_removes_the_topic_journal(sqlite_url: str) -> None:

@@ -15,6 +15,7 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = $search_path AS $$pollbridge
 DECLARE
   pb_change text := 'insert';
   pb_partition integer;
+  pb_status text;
 BEGIN
   -- SECURITY DEFINER: pollbridge's tables are written with the rights of the role that ran `pollbridge
   -- init`, so a scheduler whose role has rights on its own table only keeps writing it.
@@ -40,7 +41,7 @@ BEGIN
          CASE WHEN TG_OP = 'UPDATE' THEN $old_status END, $new_status, $attempt, $depth,
          replace(gen_random_uuid()::text, '-', ''), $partition_expr, clock_timestamp()
   WHERE NOT EXISTS (SELECT FROM ONLY $table WHERE false)
-  RETURNING relay_partition INTO pb_partition;
+  RETURNING relay_partition, new_status INTO pb_partition, pb_status;
   $notify
   RETURN NULL;
 END
@@ -104,6 +105,13 @@ PERFORM pg_notify('pollbridge_outbox', '');
 -- name: notify_when_armed
 IF EXISTS (SELECT 1 FROM $relay_state WHERE relay_partition = pb_partition AND armed) THEN
     PERFORM pg_notify('pollbridge_outbox', '');
+  END IF;
+
+-- name: notify_unless_quiet
+-- A status change into a value that cannot make any task ready (dispatched: $quiet) wakes no relay:
+-- its row waits for the next claim (the next change that notifies, or the relay's idle probe).
+IF pb_change <> 'status' OR pb_status IS NULL OR pb_status NOT IN ($quiet) THEN
+  $notify
   END IF;
 
 -- name: notify_when_any_armed
