@@ -154,7 +154,10 @@ def latency(url: str, rate: float, seconds: float, wake: str, namespace: str, mo
             if delay > 0:
                 time.sleep(delay)
             with conn.begin():
-                conn.execute(sa.text("UPDATE tasks SET status = 'queued' WHERE id = :id"), {"id": task_id})
+                # 'running', not 'queued': a dispatch is a quiet change (no NOTIFY, held by the WAL capture), whose
+                # event waits for the next change that can make a task ready; the latency of a change that wakes
+                # the relay is the one to measure.
+                conn.execute(sa.text("UPDATE tasks SET status = 'running' WHERE id = :id"), {"id": task_id})
             committed[str(task_id)] = time.perf_counter()
     deadline = time.monotonic() + 30
     while len(received) < len(committed) and time.monotonic() < deadline:

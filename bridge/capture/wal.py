@@ -457,6 +457,7 @@ class WalCapture:
         self.hold_quiet = hold_quiet
         self._quiet = frozenset(quiet_statuses(tables.statuses))
         self._holding_since: float | None = None
+        self._switching = False
         self.tables = tables
         self.bus = bus
         self.relay_partitions = relay_partitions
@@ -532,6 +533,7 @@ class WalCapture:
                 self._txn.append(row)
         elif isinstance(message, LogicalMessage) and message.prefix == "pollbridge":
             self._reload_bounds = True  # a switch: its state committed with the message
+            self._switching = True  # and `capture switch` waits for its confirmation: nothing is held
         elif isinstance(message, Commit):
             if self._reload_bounds:
                 self._load_bounds()
@@ -939,6 +941,7 @@ class WalCapture:
         without its old status, as after a restart of the relay."""
         self.pending = _Pending(end_lsn=self.confirmed_lsn)
         self._txn = None
+        self._holding_since, self._switching = None, False
         self._seen.clear()
         self._seen_related.clear()
 
@@ -1017,6 +1020,8 @@ class WalCapture:
                     cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=False)
                     last_feedback = time.monotonic()
                 select.select([cur], [], [], 0.5 if held is None else max(0.0, min(0.5, held)))
+            if self.pending.rows:  # a held batch goes out with the stop, not with the next stream
+                self._flush_and_confirm(cur)
         finally:
             conn.close()
 
@@ -1090,7 +1095,7 @@ class WalCapture:
         batch was a transaction of its own, and one more decoded by the walsender (``bench.cost``, wal, 2
         completions/s). Unconfirmed meanwhile: a crash streams it again, as any batch."""
         rows = self.pending.rows
-        if not rows or self.hold_quiet <= 0 or not all(
+        if not rows or self.hold_quiet <= 0 or self._switching or not all(
                 r.get("change") == "status" and r.get("new_status") in self._quiet and "pb_related" not in r
                 for r in rows):
             self._holding_since = None
@@ -1101,7 +1106,7 @@ class WalCapture:
         return left if left > 0 else None
 
     def _flush_and_confirm(self, cur: Any) -> None:
-        self._holding_since = None
+        self._holding_since, self._switching = None, False
         self.flush()
         if self.confirmed_lsn:
             cur.send_feedback(flush_lsn=self.confirmed_lsn)
