@@ -390,12 +390,6 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate_bus_url(self.bus_url)
-        probe, limit = self.relay.idle_probe_interval, self.guardian.max_outbox_age
-        if probe >= limit:
-            # A dispatch wakes no relay: its outbox row may wait for the idle probe (bridge.capture.triggers).
-            raise ConfigError(f"relay.idle_probe_interval ({probe:g} s) must be below guardian.max_outbox_age "
-                              f"({limit:g} s): a dispatch's outbox row waits up to the idle probe, and the "
-                              "guardian would take it for a stuck relay")
 
     def with_overrides(self, **overrides: Any) -> Settings:
         """A copy with the non-``None`` overrides applied (flags that were not given are ``None``)."""

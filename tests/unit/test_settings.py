@@ -239,17 +239,6 @@ def test_errors_in_discovered_file_are_reported() -> None:
         load_settings(environ={})
 
 
-def test_an_idle_probe_the_guardian_would_take_for_a_stuck_relay_is_refused() -> None:
-    """A dispatch wakes no relay, so its outbox row can wait for the relay's idle probe: a probe as long as the
-    guardian's max_outbox_age would demote every type in a quiet minute."""
-    _write(Path("pollbridge.toml"), "[relay]\nidle_probe_interval = 120\n")
-    with pytest.raises(ConfigError, match=re.escape("relay.idle_probe_interval (120 s) must be below "
-                                                    "guardian.max_outbox_age (60 s)")):
-        load_settings(environ={})
-    _write(Path("pollbridge.toml"), "[relay]\nidle_probe_interval = 120\n[guardian]\nmax_outbox_age = 300\n")
-    assert load_settings(environ={}).relay.idle_probe_interval == 120
-
-
 def test_mapping_errors_from_file_are_config_errors(tmp_path: Path) -> None:
     path = _write(tmp_path / "conf.toml", '[mapping]\ntable = "tasks; drop table x"\n')
     with pytest.raises(MappingError, match=re.escape("mapping.table")):
