@@ -382,6 +382,12 @@ def quiet_statuses(st: StatusValues) -> tuple[str, ...]:
     return tuple(v for v in st.of("dispatched") if v is not None)
 
 
+def is_quiet(change: object, new_status: object, quiet: frozenset[str]) -> bool:
+    """Whether a captured change (its outbox row's ``change`` and ``new_status``) is a quiet one: a status change
+    into one of ``quiet`` (:func:`quiet_statuses`), as the trigger's ``notify_unless_quiet`` tests it."""
+    return change == "status" and new_status in quiet
+
+
 def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_partitions: int, *,
                many: bool, quiet: tuple[str, ...] = ()) -> dict[str, str]:
     """The PostgreSQL-only placeholders: function home, pinned search path, outbox, partition, wake-up.

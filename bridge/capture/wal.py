@@ -72,7 +72,15 @@ from bridge.capture.pgoutput import (
     lsn_text,
 )
 from bridge.capture.queries import INVISIBLE_XIDS_SQL, event_payload_sql
-from bridge.capture.triggers import CAPTURED, WATCHED, capture_status, capture_target, quiet_statuses, related_targets
+from bridge.capture.triggers import (
+    CAPTURED,
+    WATCHED,
+    capture_status,
+    capture_target,
+    is_quiet,
+    quiet_statuses,
+    related_targets,
+)
 from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
@@ -1096,7 +1104,7 @@ class WalCapture:
         completions/s). Unconfirmed meanwhile: a crash streams it again, as any batch."""
         rows = self.pending.rows
         if not rows or self.hold_quiet <= 0 or self._switching or not all(
-                r.get("change") == "status" and r.get("new_status") in self._quiet and "pb_related" not in r
+                "pb_related" not in r and is_quiet(r.get("change"), r.get("new_status"), self._quiet)
                 for r in rows):
             self._holding_since = None
             return None

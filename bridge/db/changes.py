@@ -76,7 +76,7 @@ _HEADER_BYTES = 48
 OWN_REMEMBERED = 1000
 
 
-#: What a commit can be about; a waiter waits for one of them.
+#: What a commit can be about; a waiter waits for some of them (:meth:`ChangeSignal.view`).
 TOPICS = ("data", "bus", "work")
 #: A look at the files: ("counter", -shm inode, iChange, WAL salt, WAL frames) or ("files", None, sizes, 0, 0).
 _Signature = tuple[str, Any, Any, int, int]

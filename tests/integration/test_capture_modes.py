@@ -303,20 +303,26 @@ def test_quiet_changes_wait_for_the_next_change_that_can_make_a_task_ready(walca
             conn.execute(t.update().where(t.c.id == ids[key]).values(status=status))
 
     try:
-        ids = _new_instance(walcap, "hold", ["a", "b", "c"])
-        wait_for(lambda: len(written()) == 3, 30.0, what="the inserts captured")
+        ids = _new_instance(walcap, "hold", ["a", "b", "c", "d"])
+        wait_for(lambda: len(written()) == 4, 30.0, what="the inserts captured")
         move("a", "queued")
         move("b", "queued")
         wait_for(lambda: len(capture.pending.rows) == 2, 10.0, what="the two dispatches held")
-        assert len(written()) == 3 and capture.confirmed_lsn < capture.pending.end_lsn
+        assert len(written()) == 4 and capture.confirmed_lsn < capture.pending.end_lsn
         move("a", "running")
-        wait_for(lambda: len(written()) == 6, 10.0, what="the start written with the held dispatches")
-        rows = written()[3:]
+        wait_for(lambda: len(written()) == 7, 10.0, what="the start written with the held dispatches")
+        rows = written()[4:]
         assert [r.new_status for r in rows] == ["queued", "queued", "running"]
         assert len({r.xid for r in rows}) == 1, rows
         capture.hold_quiet = 0.5
         move("c", "queued")
-        wait_for(lambda: len(written()) == 7, 10.0, what="a quiet change alone written at its hold's end")
+        wait_for(lambda: len(written()) == 8, 10.0, what="a quiet change alone written at its hold's end")
+        capture.hold_quiet = 60.0
+        move("d", "queued")
+        wait_for(lambda: len(capture.pending.rows) == 1, 10.0, what="a dispatch held")
+        stop.set()
+        streamer.join(15)
+        assert len(written()) == 9, "a held dispatch is written when the capture stops"
     finally:
         stop.set()
         streamer.join(15)
