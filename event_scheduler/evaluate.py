@@ -23,9 +23,11 @@ milliseconds before the evaluation (a lost race) still gets its shadow decision,
 shadow phase whose events carry such facts).
 
 Round trips per batch on PostgreSQL: one evaluation query and, if something is ready, one dispatch
-statement, both on the caller's connection (the scheduler's loop keeps one checked out, so no pool
-pre-ping per batch) and both with a constant SQL text (instance and task ids travel as arrays), so
-they are compiled once and prepared by the driver. An in-flight count is read only for a type that
+statement, both on the caller's connection. Once the evaluator has seen a type on the dispatching route,
+the two are one statement (:func:`event_scheduler.queries.evaluate_and_dispatch_statement`) for the ready
+tasks that need no decision in Python (see :meth:`Evaluator._combined`). The statements run on the caller's
+connection (the scheduler's loop keeps one checked out, so no pool pre-ping per batch), each with a constant
+SQL text (instance and task ids travel as arrays), so they are compiled once and prepared by the driver. An in-flight count is read only for a type that
 has ``max_in_flight``, an instance's dispatch count (the depth guard) once per instance. The statements
 are built from the mapping in :mod:`event_scheduler.queries`; the evaluator only runs them.
 
@@ -224,6 +226,7 @@ class Evaluator:
         self.limits = TypeLimits(settings)
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._held: OrderedDict[str, bool] = OrderedDict()
+        self._types: set[str] = set()  # the workflow types seen in evaluations (see _combined)
         # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
         self.queries = queries if queries is not None else EvaluatorQueries.build(tables, engine.dialect)
 
@@ -276,7 +279,12 @@ class Evaluator:
                 sc = scopes.get(i)
                 document[i] = {"w": 1} if sc is None else {"k": sorted(sc.keys), "d": sorted(sc.dependents_of)}
             params["scope"] = json.dumps(document)
-        rows = self.queries.evaluation_run.all(conn, params)
+        combined = self._combined(ids, params, trace_ids)
+        if combined is not None:  # the evaluation and the dispatch of what needs no decision, one statement
+            trace_ids = combined
+            rows = self._must(self.queries.evaluate_and_dispatch_run).all(conn, params)
+        else:
+            rows = self.queries.evaluation_run.all(conn, params)
         present = {str(r.instance_id) for r in rows}
         live = {str(r.instance_id) for r in rows if r.any_live}
         finished = [i for i in ids if i not in live]
@@ -288,6 +296,8 @@ class Evaluator:
                     self._counts.pop(i, None)
             result.unknown_instances = {i for i in finished if i not in present}
         ready: list[tuple[ReadyTask, str]] = []
+        picked: list[tuple[ReadyTask, bool]] = []  # dispatched (won or lost) by the combined statement
+        read_counts: dict[str, int] = {}  # the dispatch log's count for the instances of picked tasks
         facts: dict[str, Facts] = {}  # by task id
         skips: list[Any] = []
         st = self.tables.statuses
@@ -300,6 +310,9 @@ class Evaluator:
                 if self.router.event_route(r.workflow_type, str(r.instance_id)) not in ("off", "shadow"):
                     skips.append(r.task_id)
                 continue
+            if r.workflow_type is not None and r.workflow_type not in self._types:
+                with self._lock:
+                    self._types.add(r.workflow_type)
             type_settings = self.settings.for_type(r.workflow_type)
             attempts = getattr(r, "attempts", None)
             status = st.logical(r.status)
@@ -308,6 +321,11 @@ class Evaluator:
                 # the task table (no event), so the instance is looked at again now and then.
                 result.timers.append((datetime.now(UTC) + timedelta(seconds=REVIEW_RECHECK), "due",
                                       str(r.instance_id), ()))
+            elif r.ready and getattr(r, "picked", 0):
+                picked.append((ReadyTask(r.task_id, str(r.instance_id), r.task_key, r.workflow_type,
+                                         (attempts + 1) if attempts is not None else None, r.ready_at),
+                               bool(r.won)))
+                read_counts[str(r.instance_id)] = int(r.dispatches or 0)
             elif r.ready:
                 facts[str(r.task_id)] = Facts(getattr(r, "review_state", None), getattr(r, "depth", None),
                                               getattr(r, "dispatches", None))
@@ -332,6 +350,12 @@ class Evaluator:
             else:
                 with self.engine.begin() as wconn:
                     result.skipped.extend(skip_many(wconn, self.tables, skips))
+        if picked:
+            with self._lock:  # the instances' counts as the Python path's guards would have read them
+                for instance_id, count in read_counts.items():
+                    if instance_id not in self._counts:
+                        self._remember_count(instance_id, count)
+            self._dispatched(conn, [t for t, _ in picked], [t for t, won in picked if won], result)
         if ready:
             self._act(conn, ready, trace_ids, result, facts)
         # The lost races after the decisions found ready: their statement is not in those decisions' latency
@@ -401,35 +425,7 @@ class Evaluator:
             else:  # on SQLite a dispatch wakes the workers, not the relay (a dispatch is a quiet change)
                 with self._dispatches.begin() as wconn:
                     won = dispatch_many(wconn, self.tables, to_dispatch, "events", traces)
-            result.dispatched.extend(won)
-            with self._lock:
-                for t in won:
-                    self._remember_count(t.instance_id, self._counts.get(t.instance_id, 0) + 1)
-                released = [str(t.task_id) for t in won if self._held.pop(str(t.task_id), False)]
-            if released:  # the holds this process kept end with the dispatch (the reconciler's evidence)
-                if self._pg:
-                    conn.execute(self.queries.release_holds, {"ids": released})
-                else:
-                    with self.engine.begin() as wconn:
-                        wconn.execute(self.queries.release_holds, {"ids": released})
-            if len(won) < len(to_dispatch):
-                self.metrics.lost_races.inc(len(to_dispatch) - len(won))
-                # Usually another dispatcher took the task, and the second look finds nothing to do. But the
-                # evaluation found it ready and armed no timer for it: if the write's own readiness test
-                # failed for another reason (the clock stepped back across a due time), nothing else would
-                # ever look at the instance again.
-                lost = [t for t in to_dispatch if t not in won]
-                still = {str(i) for i in self._read(conn, self.queries.still_pending([t.task_id for t in lost]))
-                         .scalars()}
-                again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
-                for instance_id in sorted({t.instance_id for t in lost if str(t.task_id) in still}):
-                    result.timers.append((again, "due", instance_id, ()))
-            per_type: dict[str | None, int] = defaultdict(int)
-            for t in won:
-                per_type[t.workflow_type] += 1
-                self._observe("events", t, now)
-            for workflow_type, n in per_type.items():
-                self.metrics.dispatches.labels(workflow_type=str(workflow_type), path="events").inc(n)
+            self._dispatched(conn, to_dispatch, won, result, now)
         if to_decide:
             if self._pg:
                 decided = self._decide_all(conn, to_decide, traces)
@@ -440,6 +436,73 @@ class Evaluator:
                 result.decided.append(t)
                 self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
                 self._observe("shadow", t, now)
+
+    def _dispatched(self, conn: Connection, tried: list[ReadyTask], won: list[ReadyTask], result: Evaluation,
+                    now: datetime | None = None) -> None:
+        """After the compare-and-set of ``tried`` (by :func:`dispatch_many` or the combined statement): the
+        winners counted, their holds released, a recheck armed for a lost race that left the task pending."""
+        now = now or datetime.now(UTC)
+        result.dispatched.extend(won)
+        with self._lock:
+            for t in won:
+                self._remember_count(t.instance_id, self._counts.get(t.instance_id, 0) + 1)
+            released = [str(t.task_id) for t in won if self._held.pop(str(t.task_id), False)]
+        if released:  # the holds this process kept end with the dispatch (the reconciler's evidence)
+            if self._pg:
+                conn.execute(self.queries.release_holds, {"ids": released})
+            else:
+                with self.engine.begin() as wconn:
+                    wconn.execute(self.queries.release_holds, {"ids": released})
+        if len(won) < len(tried):
+            self.metrics.lost_races.inc(len(tried) - len(won))
+            # Usually another dispatcher took the task, and the second look finds nothing to do. But the
+            # evaluation found it ready and armed no timer for it: if the write's own readiness test
+            # failed for another reason (the clock stepped back across a due time), nothing else would
+            # ever look at the instance again.
+            lost = [t for t in tried if t not in won]
+            still = {str(i) for i in self._read(conn, self.queries.still_pending([t.task_id for t in lost]))
+                     .scalars()}
+            again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
+            for instance_id in sorted({t.instance_id for t in lost if str(t.task_id) in still}):
+                result.timers.append((again, "due", instance_id, ()))
+        per_type: dict[str | None, int] = defaultdict(int)
+        for t in won:
+            per_type[t.workflow_type] += 1
+            self._observe("events", t, now)
+        for workflow_type, n in per_type.items():
+            self.metrics.dispatches.labels(workflow_type=str(workflow_type), path="events").inc(n)
+
+    def _combined(self, ids: list[str], params: dict[str, Any],
+                  trace_ids: dict[str, str | None]) -> dict[str, str | None] | None:
+        """Whether this batch runs :func:`~event_scheduler.queries.evaluate_and_dispatch_statement` (PostgreSQL):
+        its parameters added to ``params`` and the trace ids of every instance (an instance without one
+        starts its own here, as :meth:`_act` would), or None (the evaluation alone; the Python path decides).
+
+        The types it may dispatch are the ones this evaluator has seen (the SQL learns a batch's types only by
+        reading it, so a type's first batch goes the Python way): those on the dispatching route for every
+        instance of the batch, with no ``max_in_flight`` and no ``rate``."""
+        run = self.queries.evaluate_and_dispatch_run
+        if run is None or not self._types:
+            return None
+        with self._lock:
+            seen = sorted(self._types)
+        types = [wt for wt in seen if self.limits.unlimited(wt)
+                 and all(self.router.event_route(wt, i) == "dispatch" for i in ids)]
+        if not types:
+            return None
+        with self._lock:
+            known = {i: self._counts[i] for i in ids if i in self._counts}
+        traces = {i: trace_ids.get(i) or new_trace_id() for i in ids}
+        params.update({
+            "pb_types": types, "pb_max_depth": [self._limit(wt, "max_depth") for wt in types],
+            "pb_max_dispatches": [self._limit(wt, "max_dispatches") for wt in types],
+            "pb_count_ids": list(known), "pb_counts": list(known.values()), "pb_traces": json.dumps(traces)})
+        return dict(traces)
+
+    @staticmethod
+    def _must(run: DriverStatement | None) -> DriverStatement:
+        assert run is not None
+        return run
 
     def _read(self, conn: Connection, stmt: Any, params: dict[str, Any] | None = None) -> Any:
         """A read on the caller's connection on PostgreSQL (autocommit), on a read-only one elsewhere."""

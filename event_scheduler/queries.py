@@ -25,7 +25,7 @@ from sqlalchemy.engine import Dialect
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import db_now, millis_between
 from bridge.db.schema import decisions, dispatch_log, holds
-from bridge.tasktable.dispatch import ReadyTask
+from bridge.tasktable.dispatch import ReadyTask, dispatch_values
 from bridge.tasktable.queries import in_flight_statement, in_ids, spawn_depth_statement, type_of_row
 from bridge.tasktable.readiness import (
     greatest,
@@ -34,7 +34,7 @@ from bridge.tasktable.readiness import (
     ready_since,
     skip_predicate,
 )
-from bridge.tasktable.review import review_state
+from bridge.tasktable.review import parked, review_state
 from bridge.tasktable.tables import TaskTable
 
 #: The statuses a task the legacy scheduler took is in afterwards: in a shadow phase its decision is still
@@ -187,6 +187,95 @@ def evaluation_statement(tt: TaskTable, pg: bool) -> sa.Select[Any]:
             sa.case((inner.c.pb_ready == 1, ready_since(tt, inner)), else_=sa.null()).label("ready_at"),
         )
         .order_by(tt.col("id", inner))
+    )
+
+
+def evaluate_and_dispatch_statement(tt: TaskTable) -> sa.Select[Any]:
+    """PostgreSQL: the evaluation (:func:`evaluation_statement`) and, in the same statement, the dispatch of the
+    ready tasks whose dispatch needs no decision in Python: one round trip and one transaction where the
+    evaluation and the compare-and-set took two of each (issue 20: at 2 to 100 completions/s with triggers, 4
+    transactions per completion became 3).
+
+    An instance's ready tasks are *picked* here only all together, and only when each of them could not be
+    held back or parked by the evaluator's Python path (:meth:`event_scheduler.evaluate.Evaluator._act`): its
+    type is one of ``pb_types`` (the evaluator lists the types on the dispatching route for every instance of
+    the batch and without an admission limit, ``max_in_flight`` or ``rate``), it is not parked for review, its
+    depth (the mapped ``depth`` column, NULL as 0) is within the type's ``pb_max_depth`` unless a person
+    released it, and the instance's dispatches so far (the larger of the dispatch log's count and the
+    evaluator's own, ``pb_count_ids``/``pb_counts``) plus its ready tasks stay within ``pb_max_dispatches``.
+    Any other instance's ready tasks are left to the Python path, which guards, holds and dispatches them as
+    before: this statement never decides what the evaluator would not have decided.
+
+    The picked tasks go through the same compare-and-set as :func:`bridge.tasktable.dispatch.dispatch_many`
+    (pending and ready when written, not parked) and their winners into the dispatch log (path ``events``,
+    the instance's trace id from the JSON document ``pb_traces``), all in this one statement, so it is atomic
+    in autocommit. Parameters: the evaluation's (``ids``, ``scope``) and the ``pb_`` ones above, arrays of the
+    same length per group. Rows: the evaluation's, plus ``picked`` (1: this statement tried to dispatch the
+    task) and ``won`` (1: it did). Not built for a mapping whose depth comes from a ``spawned_by`` chain (the
+    Python path reads that with a query of its own)."""
+    t = tt.tasks
+    ev = evaluation_statement(tt, True).cte("pb_ev")
+    array = postgresql.ARRAY
+    limits = (sa.func.unnest(sa.bindparam("pb_types", type_=array(sa.Text)),
+                             sa.bindparam("pb_max_depth", type_=array(sa.Integer)),
+                             sa.bindparam("pb_max_dispatches", type_=array(sa.Integer)))
+              .table_valued(sa.column("workflow_type", sa.Text), sa.column("max_depth", sa.Integer),
+                            sa.column("max_dispatches", sa.Integer))
+              .render_derived(name="pb_limits"))
+    counts = (sa.func.unnest(sa.bindparam("pb_count_ids", type_=array(sa.Text)),
+                             sa.bindparam("pb_counts", type_=array(sa.Integer)))
+              .table_valued(sa.column("instance_id", sa.Text), sa.column("n", sa.Integer))
+              .render_derived(name="pb_counts"))
+    instance_text = sa.cast(ev.c.instance_id, sa.Text)
+    # NULL-free: bool_and skips NULLs, so an unknown must count as "not ok", never vanish.
+    released = sa.func.coalesce(ev.c.review_state, 0) == 2
+    ok: list[sa.ColumnElement[bool]] = [limits.c.workflow_type.is_not(None),
+                                        sa.or_(ev.c.review_state.is_(None), released)]
+    if tt.has("depth"):
+        ok.append(sa.or_(released, sa.func.coalesce(ev.c.depth, 0) <= limits.c.max_depth))
+    before = sa.func.greatest(sa.func.coalesce(ev.c.dispatches, 0), sa.func.coalesce(counts.c.n, 0))
+    ready = (
+        sa.select(ev.c.task_id, instance_text.label("instance_id"), ev.c.task_key, ev.c.workflow_type,
+                  (ev.c.attempts + 1 if tt.has("attempts") else sa.null()).label("attempt"), ev.c.ready_at,
+                  sa.func.bool_and(sa.func.coalesce(sa.and_(*ok), False)).over(partition_by=ev.c.instance_id)
+                  .label("pb_all_ok"),
+                  (before + sa.func.count().over(partition_by=ev.c.instance_id)).label("pb_upto"),
+                  limits.c.max_dispatches)
+        .select_from(ev.outerjoin(limits, limits.c.workflow_type == sa.cast(ev.c.workflow_type, sa.Text))
+                     .outerjoin(counts, counts.c.instance_id == instance_text))
+        .where(ev.c.ready == 1)
+        .subquery("pb_ready")
+    )
+    pick = (sa.select(ready.c.task_id, ready.c.instance_id, ready.c.task_key, ready.c.workflow_type,
+                      ready.c.attempt, ready.c.ready_at)
+            .where(ready.c.pb_all_ok.is_(True), ready.c.pb_upto <= ready.c.max_dispatches)
+            .cte("pb_pick"))
+    now = db_now(tt.dialect_name)
+    won = (
+        t.update()
+        .where(tt.col("id").in_(sa.select(pick.c.task_id)), ready_predicate(tt, t), sa.not_(parked(tt.col("id"))))
+        .values(dispatch_values(tt, now))
+        .returning(tt.col("id").label("id"))
+        .cte("pb_won")
+    )
+    traces = sa.select(sa.cast(sa.bindparam("pb_traces", type_=sa.Text), postgresql.JSONB)).scalar_subquery()
+    logged = (
+        dispatch_log.insert()
+        .from_select(["task_id", "instance_id", "workflow_type", "task_key", "attempt", "path", "ready_at",
+                      "dispatched_at", "trace_id"],
+                     sa.select(sa.cast(pick.c.task_id, sa.Text), pick.c.instance_id, pick.c.workflow_type,
+                               sa.cast(pick.c.task_key, sa.Text), pick.c.attempt, sa.literal("events", sa.String),
+                               pick.c.ready_at, now, traces.op("->>")(pick.c.instance_id))
+                     .select_from(pick.join(won, won.c.id == pick.c.task_id)))
+        .returning(dispatch_log.c.task_id)
+        .cte("pb_logged")
+    )
+    return (
+        sa.select(*ev.c, sa.case((pick.c.task_id.is_not(None), 1), else_=0).label("picked"),
+                  sa.case((won.c.id.is_not(None), 1), else_=0).label("won"))
+        .select_from(ev.outerjoin(pick, pick.c.task_id == ev.c.task_id).outerjoin(won, won.c.id == ev.c.task_id))
+        .add_cte(logged)
+        .order_by(ev.c.task_id)
     )
 
 
@@ -448,6 +537,9 @@ class EvaluatorQueries:
     #: The evaluation straight through the driver on PostgreSQL (run hundreds of times a second; see
     #: :mod:`bridge.db.driver`).
     evaluation_run: DriverStatement
+    #: :func:`evaluate_and_dispatch_statement` through the driver (PostgreSQL, and not for a depth from a
+    #: ``spawned_by`` chain; else None).
+    evaluate_and_dispatch_run: DriverStatement | None
     #: :func:`in_flight_statement`.
     in_flight: sa.Select[Any]
     #: :func:`dispatch_count_statement`.
@@ -469,7 +561,10 @@ class EvaluatorQueries:
         evaluation = evaluation_statement(tt, pg)
         taken = taken_statement(tt, pg)
         return cls(tables=tt, dialect_name=dialect.name, evaluation=evaluation,
-                   evaluation_run=DriverStatement(evaluation, dialect), in_flight=in_flight_statement(tt),
+                   evaluation_run=DriverStatement(evaluation, dialect),
+                   evaluate_and_dispatch_run=DriverStatement(evaluate_and_dispatch_statement(tt), dialect)
+                   if pg and (tt.has("depth") or not tt.has("spawned_by")) else None,
+                   in_flight=in_flight_statement(tt),
                    dispatch_count=dispatch_count_statement(pg),
                    spawn_depth=spawn_depth_statement(tt, pg) if tt.has("spawned_by") else None,
                    hold=hold_statement(dialect.name), release_holds=release_holds_statement(dialect.name, pg),

@@ -49,6 +49,11 @@ class TypeLimits:
         """Whether the type has an in-flight cap (then :meth:`admit` needs the in-flight counts)."""
         return bool(self.settings.for_type(workflow_type).max_in_flight)
 
+    def unlimited(self, workflow_type: str | None) -> bool:
+        """Whether :meth:`admit` admits every task of the type (neither ``max_in_flight`` nor ``rate``)."""
+        ts = self.settings.for_type(workflow_type)
+        return not ts.max_in_flight and not ts.rate > 0
+
     def admit(self, workflow_type: str | None, in_flight: dict[str | None, int]) -> tuple[str, float] | None:
         """``None``: dispatch a task of the type now (counted into ``in_flight``, so the rest of a round sees
         it). Else why it waits and for how long: ``("in_flight", IN_FLIGHT_RECHECK)`` or ``("rate", seconds

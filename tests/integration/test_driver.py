@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 
 from bridge.core.phases import FixedRouter
 from bridge.core.settings import SchedulerSettings, TypeSettings
+from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import StatementCounter
 from bridge.db.schema import dispatch_log
@@ -239,3 +240,47 @@ def test_a_missing_parameter_is_the_same_error_on_both_paths(engine: Engine) -> 
         conn.rollback()
         with pytest.raises(sa.exc.SQLAlchemyError, match="A value is required for bind parameter 'word'"):
             run.all(conn, {})
+
+
+def test_a_warm_evaluator_dispatches_in_the_statement_that_evaluates(engine: Engine, tables: TaskTable) -> None:
+    """Issue 20: on PostgreSQL, once the evaluator has seen a type on the dispatching route, a batch that finds
+    a task of it ready dispatches it in the evaluation's own statement (the evaluation and the compare-and-set
+    took a round trip and a transaction each: 4 transactions per completion with triggers, now 3). The
+    dispatch log's row is the one the two-statement path writes. SQLite has no data-modifying CTE: there the
+    evaluator keeps the two statements."""
+    pg = engine.dialect.name == "postgresql"
+    evaluator = Evaluator(engine, tables, FixedRouter("cutover"), SchedulerSettings(),
+                          SchedulerMetrics(CollectorRegistry()))
+    chain = (TaskSpec("a"), TaskSpec("b", ("a",)))
+    with engine.begin() as conn:
+        seed(conn, tables, [WorkflowSpec(i, "orders", chain) for i in ("w1", "w2")])
+        t = tables.tasks.c
+        conn.execute(tables.tasks.update().where(t.task_key == "a")
+                     .values(status="completed", attempts=1, completed_at=sa.func.now()))
+    counter = StatementCounter()
+    counter.attach(engine)
+    seen: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *args: seen.append(args[2]))
+    runs = []
+    ready_at = {}
+    for instance in ("w1", "w2"):  # w1: the type's first batch (two statements); w2: the type is known
+        with evaluator.connect() as conn:
+            before = counter.count
+            result = evaluator.evaluate([instance], {instance: f"trace-{instance}"}, conn=conn)
+            runs.append((counter.count - before, [(d.instance_id, d.task_key) for d in result.dispatched]))
+            ready_at.update({d.instance_id: as_utc(d.ready_at) for d in result.dispatched})
+    # PostgreSQL: the evaluation, then the dispatch's one statement; SQLite: the evaluation, then BEGIN
+    # IMMEDIATE, the compare-and-set and the log's insert.
+    assert runs[0] == ((2 if pg else 4), [("w1", "b")]), seen[-3:]
+    assert runs[1] == ((1 if pg else 4), [("w2", "b")]), seen[-3:]
+    log = dispatch_log.c
+    with engine.connect() as conn:
+        rows = {r.instance_id: r for r in conn.execute(sa.select(dispatch_log).order_by(log.instance_id))}
+    assert sorted(rows) == ["w1", "w2"]
+    for instance, row in rows.items():
+        assert (row.task_key, row.workflow_type, row.attempt, row.path, row.trace_id) == \
+            ("b", "orders", 1, "events", f"trace-{instance}")
+        assert as_utc(row.ready_at) == ready_at[instance] is not None and row.dispatched_at is not None
+    assert (getattr(evaluator.queries, "evaluate_and_dispatch_run", None) is not None) == pg
+    assert evaluator.metrics.value("pollbridge_scheduler_dispatches_total",
+                                   {"workflow_type": "orders", "path": "events"}) == 2

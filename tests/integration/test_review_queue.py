@@ -60,9 +60,25 @@ def _tables(engine: Engine, *, source: str = "depth", review_status: bool = True
     return reflect_tables(engine, TaskTableMapping(columns=columns, statuses=statuses))
 
 
+#: The workflow types the evaluators of a test have already seen (see the ``warm`` fixture).
+SEEN_TYPES: frozenset[str] = frozenset()
+
+
+@pytest.fixture(autouse=True, params=["first batch", "warm"])
+def warm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test twice: with an evaluator whose batch is the first of its type, and with one that has seen the
+    type, so that on PostgreSQL its ready tasks go to the evaluation's combined statement
+    (``event_scheduler.queries.evaluate_and_dispatch_statement``), which must leave every task a guard would
+    park to the Python path's guards."""
+    if request.param == "warm":
+        monkeypatch.setattr(sys.modules[__name__], "SEEN_TYPES", frozenset({"agents"}))
+
+
 def _evaluator(engine: Engine, tt: TaskTable, router: Any = None, **limits: int) -> Evaluator:
-    return Evaluator(engine, tt, router or FixedRouter("cutover"), SchedulerSettings(**limits),
-                     SchedulerMetrics(CollectorRegistry()), holder="test-scheduler")
+    evaluator = Evaluator(engine, tt, router or FixedRouter("cutover"), SchedulerSettings(**limits),
+                          SchedulerMetrics(CollectorRegistry()), holder="test-scheduler")
+    evaluator._types.update(SEEN_TYPES)
+    return evaluator
 
 
 def _seed(engine: Engine, tt: TaskTable, instance: str, keys: Sequence[str],
