@@ -23,13 +23,13 @@ milliseconds before the evaluation (a lost race) still gets its shadow decision,
 shadow phase whose events carry such facts).
 
 Round trips per batch on PostgreSQL: one evaluation query and, if something is ready, one dispatch
-statement, both on the caller's connection. Once the evaluator has seen a type on the dispatching route,
-the two are one statement (:func:`event_scheduler.queries.evaluate_and_dispatch_statement`) for the ready
-tasks that need no decision in Python (see :meth:`Evaluator._combined`). The statements run on the caller's
-connection (the scheduler's loop keeps one checked out, so no pool pre-ping per batch), each with a constant
-SQL text (instance and task ids travel as arrays), so they are compiled once and prepared by the driver. An in-flight count is read only for a type that
-has ``max_in_flight``, an instance's dispatch count (the depth guard) once per instance. The statements
-are built from the mapping in :mod:`event_scheduler.queries`; the evaluator only runs them.
+statement. Once the evaluator has seen a type on the dispatching route, the two are one statement
+(:func:`event_scheduler.queries.evaluate_and_dispatch_statement`) for the ready tasks that need no decision
+in Python (see :meth:`Evaluator._combined`). They run on the caller's connection (the scheduler's loop
+keeps one checked out, so no pool pre-ping per batch), each with a constant SQL text (instance and task ids
+travel as arrays), so they are compiled once and prepared by the driver. An in-flight count is read only
+for a type that has ``max_in_flight``, an instance's dispatch count (the depth guard) once per instance.
+The statements are built from the mapping in :mod:`event_scheduler.queries`; the evaluator only runs them.
 
 An evaluator may be used from two threads at once (the scheduler's loop and its catch-up): the
 in-memory state (token buckets, dispatch counts) is guarded by a lock; the database state needs

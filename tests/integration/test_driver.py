@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import psycopg
@@ -11,17 +12,19 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
+from bridge.core.mapping import TaskTableMapping
 from bridge.core.phases import FixedRouter
 from bridge.core.settings import SchedulerSettings, TypeSettings
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
-from bridge.db.engine import StatementCounter
+from bridge.db.engine import StatementCounter, create_engine
 from bridge.db.schema import dispatch_log
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.dispatch import ReadyTask, _pg_dispatch_statement, dispatch_many
-from bridge.tasktable.tables import TaskTable
+from bridge.tasktable.tables import TaskTable, reflect_tables
 from event_scheduler.evaluate import Evaluator
 from event_scheduler.metrics import SchedulerMetrics
+from tests.support import wait_for
 
 
 def _evaluator(engine: Engine, tables: TaskTable) -> Evaluator:
@@ -284,3 +287,43 @@ def test_a_warm_evaluator_dispatches_in_the_statement_that_evaluates(engine: Eng
     assert (getattr(evaluator.queries, "evaluate_and_dispatch_run", None) is not None) == pg
     assert evaluator.metrics.value("pollbridge_scheduler_dispatches_total",
                                    {"workflow_type": "orders", "path": "events"}) == 2
+
+
+def test_a_task_another_dispatcher_takes_during_the_combined_statement_is_a_lost_race(pg_url: str) -> None:
+    """PostgreSQL: the combined statement's evaluation reads the task pending, and another dispatcher's write
+    holds the row; when that write commits, the compare-and-set inside the statement finds the task no longer
+    pending: no dispatch, no dispatch-log row, a lost race counted, and no recheck (the task left pending)."""
+    engine = create_engine(pg_url)
+    try:
+        tables = reflect_tables(engine, TaskTableMapping())
+        evaluator = Evaluator(engine, tables, FixedRouter("cutover"), SchedulerSettings(),
+                              SchedulerMetrics(CollectorRegistry()))
+        evaluator._types.add("orders")  # as after a first batch of the type: the combined statement runs
+        with engine.begin() as conn:
+            seed(conn, tables, [WorkflowSpec("race", "orders", (TaskSpec("a"),))])
+        t = tables.tasks
+        results: list[Any] = []
+        with engine.connect() as other:
+            tx = other.begin()
+            other.execute(t.update().where(t.c.instance_id == "race").values(status="queued"))
+
+            def evaluate() -> None:
+                with evaluator.connect() as conn:
+                    results.append(evaluator.evaluate(["race"], conn=conn))
+
+            thread = threading.Thread(target=evaluate)
+            thread.start()
+            with engine.connect() as watch:  # the statement waits for the other write's row lock
+                wait_for(lambda: watch.execute(sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH pb_ev %'"
+                )).scalar_one() == 1, 15, what="the combined statement to wait for the row lock")
+            tx.commit()
+            thread.join(15)
+        [result] = results
+        assert result.dispatched == [] and result.timers == []
+        assert evaluator.metrics.value("pollbridge_scheduler_lost_races_total") == 1
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(dispatch_log)).scalar_one() == 0
+            assert conn.execute(sa.select(t.c.status)).scalar_one() == "queued"
+    finally:
+        engine.dispose()
