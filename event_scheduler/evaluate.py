@@ -227,6 +227,7 @@ class Evaluator:
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._held: OrderedDict[str, bool] = OrderedDict()
         self._types: set[str] = set()  # the workflow types seen in evaluations (see _combined)
+        self._unlimited_types: dict[str, bool] = {}
         # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
         self.queries = queries if queries is not None else EvaluatorQueries.build(tables, engine.dialect)
 
@@ -486,8 +487,17 @@ class Evaluator:
             return None
         with self._lock:
             seen = sorted(self._types)
-        types = [wt for wt in seen if self.limits.unlimited(wt)
-                 and all(self.router.event_route(wt, i) == "dispatch" for i in ids)]
+        uniform = getattr(self.router, "uniform_route", None)
+
+        def dispatching(wt: str) -> bool:
+            # Once per type where the router can say (every type a Flag in one phase, Airflow's hundreds of
+            # DAGs among them), per instance only for a selective percentage.
+            route = uniform(wt) if uniform is not None else None
+            if route is not None:
+                return bool(route == "dispatch")
+            return all(self.router.event_route(wt, i) == "dispatch" for i in ids)
+
+        types = [wt for wt in seen if self._unlimited(wt) and dispatching(wt)]
         if not types:
             return None
         with self._lock:
@@ -498,6 +508,14 @@ class Evaluator:
             "pb_max_dispatches": [self._limit(wt, "max_dispatches") for wt in types],
             "pb_count_ids": list(known), "pb_counts": list(known.values()), "pb_traces": json.dumps(traces)})
         return dict(traces)
+
+    def _unlimited(self, workflow_type: str) -> bool:
+        """:meth:`TypeLimits.unlimited`, kept per type (the settings do not change; each batch asks for every type
+        seen)."""
+        known = self._unlimited_types.get(workflow_type)
+        if known is None:
+            known = self._unlimited_types[workflow_type] = self.limits.unlimited(workflow_type)
+        return known
 
     @staticmethod
     def _must(run: DriverStatement | None) -> DriverStatement:

@@ -207,7 +207,10 @@ def evaluate_and_dispatch_statement(tt: TaskTable) -> sa.Select[Any]:
     before: this statement never decides what the evaluator would not have decided.
 
     The picked tasks go through the same compare-and-set as :func:`bridge.tasktable.dispatch.dispatch_many`
-    (pending and ready when written, not parked) and their winners into the dispatch log (path ``events``,
+    (pending and ready when written, not parked; as in any statement under READ COMMITTED, the row itself is
+    read again when written, and the rest of its readiness, its dependencies and the review queue, as of the
+    statement's start: here the start of the evaluation, a few milliseconds before the write, where
+    ``dispatch_many`` starts after the evaluation) and their winners into the dispatch log (path ``events``,
     the instance's trace id from the JSON document ``pb_traces``), all in this one statement, so it is atomic
     in autocommit. Parameters: the evaluation's (``ids``, ``scope``) and the ``pb_`` ones above, arrays of the
     same length per group. Rows: the evaluation's, plus ``picked`` (1: this statement tried to dispatch the
@@ -217,10 +220,11 @@ def evaluate_and_dispatch_statement(tt: TaskTable) -> sa.Select[Any]:
     ev = evaluation_statement(tt, True).cte("pb_ev")
     array = postgresql.ARRAY
     limits = (sa.func.unnest(sa.bindparam("pb_types", type_=array(sa.Text)),
-                             sa.bindparam("pb_max_depth", type_=array(sa.Integer)),
-                             sa.bindparam("pb_max_dispatches", type_=array(sa.Integer)))
-              .table_valued(sa.column("workflow_type", sa.Text), sa.column("max_depth", sa.Integer),
-                            sa.column("max_dispatches", sa.Integer))
+                             # BIGINT: a limit has no upper bound (a flag may set 1e10).
+                             sa.bindparam("pb_max_depth", type_=array(sa.BigInteger)),
+                             sa.bindparam("pb_max_dispatches", type_=array(sa.BigInteger)))
+              .table_valued(sa.column("workflow_type", sa.Text), sa.column("max_depth", sa.BigInteger),
+                            sa.column("max_dispatches", sa.BigInteger))
               .render_derived(name="pb_limits"))
     counts = (sa.func.unnest(sa.bindparam("pb_count_ids", type_=array(sa.Text)),
                              sa.bindparam("pb_counts", type_=array(sa.Integer)))
@@ -240,7 +244,9 @@ def evaluate_and_dispatch_statement(tt: TaskTable) -> sa.Select[Any]:
                   sa.func.bool_and(sa.func.coalesce(sa.and_(*ok), False)).over(partition_by=ev.c.instance_id)
                   .label("pb_all_ok"),
                   (before + sa.func.count().over(partition_by=ev.c.instance_id)).label("pb_upto"),
-                  limits.c.max_dispatches)
+                  # An instance's ready tasks may be of several types (a type column on the task row): each
+                  # must stay within its own type's limit, so the smallest one counts.
+                  sa.func.min(limits.c.max_dispatches).over(partition_by=ev.c.instance_id).label("pb_limit"))
         .select_from(ev.outerjoin(limits, limits.c.workflow_type == sa.cast(ev.c.workflow_type, sa.Text))
                      .outerjoin(counts, counts.c.instance_id == instance_text))
         .where(ev.c.ready == 1)
@@ -248,7 +254,7 @@ def evaluate_and_dispatch_statement(tt: TaskTable) -> sa.Select[Any]:
     )
     pick = (sa.select(ready.c.task_id, ready.c.instance_id, ready.c.task_key, ready.c.workflow_type,
                       ready.c.attempt, ready.c.ready_at)
-            .where(ready.c.pb_all_ok.is_(True), ready.c.pb_upto <= ready.c.max_dispatches)
+            .where(ready.c.pb_all_ok.is_(True), ready.c.pb_upto <= ready.c.pb_limit)
             .cte("pb_pick"))
     now = db_now(tt.dialect_name)
     won = (

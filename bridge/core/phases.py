@@ -80,6 +80,13 @@ class Flag:
             return "off"
         return ROUTE_OF_PHASE[self.phase]
 
+    def uniform_event_route(self) -> EventRoute | None:
+        """The event route of every instance of the type, or None when it depends on the instance (a
+        ``selective`` percentage below 100)."""
+        if self.phase == "selective" and percent_threshold(self.percent) < BUCKETS:
+            return None
+        return ROUTE_OF_PHASE[self.phase]
+
     def poller_route(self, instance_id: str) -> PollerRoute:
         if self.phase == "cutover":
             return "sweep"
@@ -106,6 +113,10 @@ def poller_should_handle(flag: Flag | None, instance_id: str, ready_since: datet
 
 
 class EventRouter(Protocol):
+    """Where the event path sends a type's tasks. A router may also offer ``uniform_route(workflow_type)``:
+    the route of every instance of the type, or None when it depends on the instance (the evaluator's
+    one-statement dispatch asks it once per type instead of once per type and instance)."""
+
     def event_route(self, workflow_type: str | None, instance_id: str) -> EventRoute:
         """The event path's route for one task of ``workflow_type`` in ``instance_id``."""
         ...
@@ -125,6 +136,9 @@ class FixedRouter:
         self.phase = phase
 
     def event_route(self, workflow_type: str | None, instance_id: str) -> EventRoute:
+        return ROUTE_OF_PHASE[self.phase]
+
+    def uniform_route(self, workflow_type: str | None) -> EventRoute | None:
         return ROUTE_OF_PHASE[self.phase]
 
     def thresholds(self, workflow_type: str | None) -> Mapping[str, float]:

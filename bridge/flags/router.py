@@ -130,6 +130,10 @@ class FlagRouter:
     def event_route(self, workflow_type: str | None, instance_id: str) -> EventRoute:
         return self.flag(workflow_type).event_route(instance_id)
 
+    def uniform_route(self, workflow_type: str | None) -> EventRoute | None:
+        """The route of every instance of the type, None when it depends on the instance (see EventRouter)."""
+        return self.flag(workflow_type).uniform_event_route()
+
     def thresholds(self, workflow_type: str | None) -> Mapping[str, float]:
         return self.flag(workflow_type).thresholds
 

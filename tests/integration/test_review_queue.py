@@ -51,6 +51,8 @@ def engine(request: pytest.FixtureRequest) -> Engine:
         for name in ("depth", "spawned_by"):
             if name not in columns:
                 conn.execute(sa.text(f"ALTER TABLE tasks ADD COLUMN {name} INTEGER"))
+        if "kind" not in columns:  # a workflow type on the task row (test_an_instance_of_two_types...)
+            conn.execute(sa.text("ALTER TABLE tasks ADD COLUMN kind VARCHAR(64)"))
     return engine
 
 
@@ -119,6 +121,39 @@ def test_depth_parks_only_the_task_past_max_depth(engine: Engine) -> None:
     assert (entry.task_id, entry.guard, entry.measured, entry.limit, entry.moved, entry.decision) == \
         (str(ids["b"]), "depth", 3, 2, True, None)
     assert entry.reason == "causation depth 3 > max_depth 2" and entry.parked_by == "test-scheduler"
+
+
+def test_a_limit_beyond_32_bits_is_a_limit(engine: Engine) -> None:
+    """A limit has no upper bound (a flag may set 1e10): the evaluation's combined statement carried the
+    limits as 32-bit integers and failed every warm batch with "integer out of range"."""
+    tt = _tables(engine)
+    _seed(engine, tt, "big", ["a", "b"], depth={"a": 1, "b": 1})
+    result = _evaluator(engine, tt, max_depth=3_000_000_000, max_dispatches=3_000_000_000).evaluate(["big"])
+    assert sorted(t.task_key for t in result.dispatched) == ["a", "b"] and not result.stopped
+
+
+def test_an_instance_of_two_types_is_guarded_per_type(engine: Engine) -> None:
+    """With the workflow type on the task row one instance can hold tasks of two types, each with its own
+    max_dispatches from its flag: a (type t1, limit 1) and b (t2, limit 10), nothing dispatched before. Task
+    by task, a is the instance's dispatch 1 and b its dispatch 2: both go. The combined statement compared the
+    instance's count with each row's own limit, took b alone, and the Python path then parked a."""
+    tt = reflect_tables(engine, TaskTableMapping(columns=replace(TaskColumns(), depth="depth",
+                                                                 workflow_type="kind")))
+    ids = _seed(engine, tt, "mixed", ["a", "b"])
+    with engine.begin() as conn:
+        for key, kind in (("a", "t1"), ("b", "t2")):
+            conn.execute(tt.tasks.update().where(tt.tasks.c.id == ids[key]).values(kind=kind))
+    store = FlagStore(engine)
+    store.change("t1", "cutover", actor="t", reason="t", thresholds={"max_dispatches": 1})
+    store.change("t2", "cutover", actor="t", reason="t", thresholds={"max_dispatches": 10})
+    router = FlagRouter(store, refresh_interval=3600)
+    router.refresh()
+    evaluator = _evaluator(engine, tt, router)
+    if SEEN_TYPES:
+        evaluator._types.update({"t1", "t2"})
+    result = evaluator.evaluate(["mixed"])
+    assert sorted(t.task_key for t in result.dispatched) == ["a", "b"] and not result.stopped
+    assert _queue(engine) == []
 
 
 def test_a_wide_flat_instance_is_not_deep(engine: Engine) -> None:

@@ -374,3 +374,18 @@ def test_error_exit_codes() -> None:
 def test_is_promotion(old: Flag, target: Phase, percent: float | None, expected: bool) -> None:
     """Moving up the phase order, or raising a selective share, is a promotion (gated); anything else is not."""
     assert is_promotion(old, target, percent) is expected
+
+
+@settings(max_examples=200)
+@given(phase=st.sampled_from(["polling", "dual_write", "selective", "cutover"]),
+       percent=st.one_of(st.none(), st.floats(0, 100)), ids=st.lists(st.text(min_size=1, max_size=12), min_size=1,
+                                                                  max_size=20))
+def test_a_uniform_route_is_every_instances_route(phase: Any, percent: float | None, ids: list[str]) -> None:
+    """``Flag.uniform_event_route`` (the evaluator's one-statement dispatch asks it once per type): when it
+    names a route, that is the route of every instance; it is None only for a selective percentage below 100."""
+    flag = Flag("orders", phase, percent=percent if phase == "selective" else None)
+    uniform = flag.uniform_event_route()
+    if uniform is not None:
+        assert all(flag.event_route(i) == uniform for i in ids)
+    else:
+        assert phase == "selective" and percent_threshold(percent) < BUCKETS
