@@ -227,7 +227,6 @@ class Evaluator:
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._held: OrderedDict[str, bool] = OrderedDict()
         self._types: set[str] = set()  # the workflow types seen in evaluations (see _combined)
-        self._unlimited_types: dict[str, bool] = {}
         # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
         self.queries = queries if queries is not None else EvaluatorQueries.build(tables, engine.dialect)
 
@@ -283,7 +282,9 @@ class Evaluator:
         combined = self._combined(ids, params, trace_ids)
         if combined is not None:  # the evaluation and the dispatch of what needs no decision, one statement
             trace_ids = combined
-            rows = self._must(self.queries.evaluate_and_dispatch_run).all(conn, params)
+            run = self.queries.evaluate_and_dispatch_run
+            assert run is not None  # _combined said yes
+            rows = run.all(conn, params)
         else:
             rows = self.queries.evaluation_run.all(conn, params)
         present = {str(r.instance_id) for r in rows}
@@ -497,7 +498,7 @@ class Evaluator:
                 return bool(route == "dispatch")
             return all(self.router.event_route(wt, i) == "dispatch" for i in ids)
 
-        types = [wt for wt in seen if self._unlimited(wt) and dispatching(wt)]
+        types = [wt for wt in seen if self.limits.unlimited(wt) and dispatching(wt)]
         if not types:
             return None
         with self._lock:
@@ -508,19 +509,6 @@ class Evaluator:
             "pb_max_dispatches": [self._limit(wt, "max_dispatches") for wt in types],
             "pb_count_ids": list(known), "pb_counts": list(known.values()), "pb_traces": json.dumps(traces)})
         return dict(traces)
-
-    def _unlimited(self, workflow_type: str) -> bool:
-        """:meth:`TypeLimits.unlimited`, kept per type (the settings do not change; each batch asks for every type
-        seen)."""
-        known = self._unlimited_types.get(workflow_type)
-        if known is None:
-            known = self._unlimited_types[workflow_type] = self.limits.unlimited(workflow_type)
-        return known
-
-    @staticmethod
-    def _must(run: DriverStatement | None) -> DriverStatement:
-        assert run is not None
-        return run
 
     def _read(self, conn: Connection, stmt: Any, params: dict[str, Any] | None = None) -> Any:
         """A read on the caller's connection on PostgreSQL (autocommit), on a read-only one elsewhere."""

@@ -44,15 +44,20 @@ class TypeLimits:
         self.settings = settings
         self._lock = threading.Lock()
         self._buckets: dict[str | None, TokenBucket] = {}
+        self._unlimited: dict[str | None, bool] = {}
 
     def capped(self, workflow_type: str | None) -> bool:
         """Whether the type has an in-flight cap (then :meth:`admit` needs the in-flight counts)."""
         return bool(self.settings.for_type(workflow_type).max_in_flight)
 
     def unlimited(self, workflow_type: str | None) -> bool:
-        """Whether :meth:`admit` admits every task of the type (neither ``max_in_flight`` nor ``rate``)."""
-        ts = self.settings.for_type(workflow_type)
-        return not ts.max_in_flight and not ts.rate > 0
+        """Whether :meth:`admit` admits every task of the type (neither ``max_in_flight`` nor ``rate``). Kept per
+        type: the settings do not change, and the evaluator asks for every type it has seen, at every batch."""
+        known = self._unlimited.get(workflow_type)
+        if known is None:
+            ts = self.settings.for_type(workflow_type)
+            known = self._unlimited[workflow_type] = not ts.max_in_flight and not ts.rate > 0
+        return known
 
     def admit(self, workflow_type: str | None, in_flight: dict[str | None, int]) -> tuple[str, float] | None:
         """``None``: dispatch a task of the type now (counted into ``in_flight``, so the rest of a round sees
