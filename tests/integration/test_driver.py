@@ -315,7 +315,8 @@ def test_a_task_another_dispatcher_takes_during_the_combined_statement_is_a_lost
             thread.start()
             with engine.connect() as watch:  # the statement waits for the other write's row lock
                 wait_for(lambda: watch.execute(sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH pb_ev %'"
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "  # cluster-wide view
+                    "AND wait_event_type = 'Lock' AND query LIKE 'WITH pb_ev %'"
                 )).scalar_one() == 1, 15, what="the combined statement to wait for the row lock")
             tx.commit()
             thread.join(15)
