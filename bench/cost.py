@@ -409,7 +409,7 @@ def window(setup: Setup, rate: float, seconds: float, settle: float) -> dict[str
             "statements_per_s": round(statements / span, 2),
             "statements_per_completion": round(statements / completed, 2) if completed else None,
             "cpu_s": round(cpu, 3),
-            "by_text_per_s": pc.text_deltas(texts0.get(c.name, {}), texts1.get(c.name, {}), elapsed),
+            "by_text_per_s": pc.text_deltas(texts0.get(c.name, {}), texts1.get(c.name, {}), elapsed, top=20),
             "write_transactions": None if pg else _begins(texts0.get(c.name, {}), texts_end.get(c.name, {})),
             "peak_rss_mb": c.peak_rss_mb,
         }

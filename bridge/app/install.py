@@ -23,6 +23,7 @@ from bridge.core.settings import CaptureSettings
 from bridge.db import migrate
 from bridge.db.changes import remove_journal
 from bridge.db.engine import check_connection, read_only
+from bridge.db.filelock import remove_locks
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable import usersql
 from bridge.tasktable.tables import TaskTable, reflect_tables
@@ -155,6 +156,7 @@ def uninstall(engine: Engine, mapping: TaskTableMapping | None = None) -> list[s
     if migrate.current_revision(engine) is not None:
         migrate.downgrade_all(engine)
     remove_journal(engine)  # SQLite: the commit-topic journal beside the database file (bridge.db.changes)
+    remove_locks(engine)  # SQLite: the liveness lock files beside it (bridge.db.filelock)
     after = set(migrate.owned_tables(engine))
     return [t for t in before if t not in after]
 

@@ -6,9 +6,12 @@ within its retry interval. The holder checks that it still holds the lock withou
 lock lives exactly as long as the connection, so it reads what the server may have sent (a
 termination notice, the end of the stream) and asks the socket; TCP keepalives turn a silently
 dropped network path into a closed socket within :data:`bridge.db.listen.KEEPALIVE_SECONDS`. An idle relay so sends
-its database nothing for its leadership. SQLite (one host, the embedded default): a lease row in
-``pollbridge_relay_state`` renewed by heartbeat, taken over when the heartbeat is older than the
-lease timeout.
+its database nothing for its leadership. SQLite on a file (the embedded default, one host): an exclusive
+lock on a file beside the database (:mod:`bridge.db.filelock`), held as long as the process lives, so an
+idle relay sends nothing for its leadership there either. SQLite in memory (one process): a lease row in
+``pollbridge_relay_state`` renewed by heartbeat, taken over when the heartbeat is older than the lease
+timeout. Every kind writes who holds the partition, and since when, into ``pollbridge_relay_state`` when it
+takes it (for ``status`` and the checks).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import uuid
 from abc import ABC, abstractmethod
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import sqlalchemy as sa
@@ -28,6 +32,7 @@ from sqlalchemy.engine import Engine
 
 from bridge.core.errors import first_line
 from bridge.db.engine import quiet
+from bridge.db.filelock import FileLock, lock_path
 from bridge.db.listen import kept_connection
 from bridge.db.schema import relay_state
 
@@ -93,9 +98,7 @@ class AdvisoryLockLeadership(Leadership):
                 self._conn.close()
             self._conn = None
         if self._held:  # just taken: who holds it and since when (for status and preflight)
-            with self.engine.begin() as conn:
-                conn.execute(relay_state.update().where(relay_state.c.relay_partition == self.partition)
-                             .values(holder=self.holder, heartbeat_at=sa.func.clock_timestamp()))
+            _record_holder(self.engine, self.partition, self.holder, sa.func.clock_timestamp())
         return self._held
 
     def release(self) -> None:
@@ -103,6 +106,43 @@ class AdvisoryLockLeadership(Leadership):
             self._conn.close()
         self._conn = None
         self._held = False
+
+
+def _record_holder(engine: Engine, partition: int, holder: str, since: object) -> None:
+    with engine.begin() as conn:
+        conn.execute(relay_state.update().where(relay_state.c.relay_partition == partition)
+                     .values(holder=holder, heartbeat_at=since))
+
+
+def relay_lock_name(partition: int) -> str:
+    """The name of relay partition ``partition``'s lock file (:func:`bridge.db.filelock.lock_path`)."""
+    return f"relay_{partition}"
+
+
+class FileLockLeadership(Leadership):
+    """SQLite on a file: the partition is this process's while it holds the partition's lock file. Checking
+    that it still does is a ``stat`` (:meth:`FileLock.held`); only taking it writes ``pollbridge_relay_state``."""
+
+    def __init__(self, engine: Engine, partition: int, path: Path) -> None:
+        self.engine = engine
+        self.partition = partition
+        self.holder = holder_name()
+        self._lock = FileLock(path)
+
+    def try_acquire(self) -> bool:
+        if self._lock.held():
+            return True
+        if not self._lock.acquire(self.holder):
+            return False
+        try:
+            _record_holder(self.engine, self.partition, self.holder, datetime.now(UTC).replace(tzinfo=None))
+        except BaseException:
+            self._lock.release()  # not recorded: taken again at the next try
+            raise
+        return True
+
+    def release(self) -> None:
+        self._lock.release()
 
 
 class LeaseLeadership(Leadership):
@@ -154,4 +194,7 @@ def _alive(conn: psycopg.Connection[tuple[object, ...]]) -> bool:
 def leadership_for(engine: Engine, partition: int, lease_timeout: float) -> Leadership:
     if engine.dialect.name == "postgresql":
         return AdvisoryLockLeadership(engine, partition)
+    path = lock_path(engine, relay_lock_name(partition))
+    if path is not None:
+        return FileLockLeadership(engine, partition, path)
     return LeaseLeadership(engine, partition, lease_timeout)

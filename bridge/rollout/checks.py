@@ -36,7 +36,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.bus.base import EventBus
-from bridge.capture.leadership import ADVISORY_NAMESPACE
+from bridge.capture.leadership import ADVISORY_NAMESPACE, relay_lock_name
 from bridge.capture.wal import capture_state
 from bridge.core.errors import PollbridgeError, first_line
 from bridge.core.phases import PHASES, Flag, Phase
@@ -45,6 +45,7 @@ from bridge.core.urls import mask_url
 from bridge.db import migrate
 from bridge.db.clock import as_utc, db_clock
 from bridge.db.engine import check_connection, read_only
+from bridge.db.filelock import holder_of, lock_path
 from bridge.db.schema import outbox_dead, relay_state
 from bridge.flags.store import FlagStore, describe
 from bridge.reference.workload import find_cycle
@@ -305,20 +306,16 @@ def _relay_alive(p: Probe) -> Outcome:
                 "AND objsubid = 2 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"),
                 {"ns": ADVISORY_NAMESPACE}).scalars())
             conn.rollback()
-            alive, dead = [], []
-            for part in range(partitions):
-                row = rows.get(part)
-                holder = row.holder if row is not None and row.holder else "unknown"
-                since = as_utc(row.heartbeat_at) if row is not None else None
-                if part in held:
-                    taken = f" since {since.isoformat(timespec='seconds')}" if since else ""
-                    alive.append(f"partition {part} held by {holder}{taken}")
-                else:
-                    last = f" (last holder {holder})" if row is not None and row.holder else ""
-                    dead.append(f"partition {part}: no relay holds its lock{last}: the relay is down "
-                                f"(start `pollbridge relay run --partition {part}`)")
-            return (False, "; ".join(dead)) if dead else (True, "; ".join(alive))
-    # SQLite: a lease row renewed every lease_timeout / 2 with the host's UTC clock.
+            return _relay_locks(rows, partitions, lambda part: "" if part in held else None, "lock")
+    if lock_path(p.engine, relay_lock_name(0)) is not None:
+        # SQLite on a file: the relay holds its partition's lock file for as long as it lives (the kernel
+        # releases it when the process dies); its relay_state row is written when it takes it.
+        def file_holder(part: int) -> str | None:
+            path = lock_path(p.engine, relay_lock_name(part))
+            return holder_of(path) if path is not None else None
+
+        return _relay_locks(rows, partitions, file_holder, "lock file")
+    # SQLite in memory: a lease row renewed every lease_timeout / 2 with the host's UTC clock.
     limit = s.preflight.heartbeat_timeouts * s.relay.lease_timeout
     now = datetime.now(UTC)
     alive, dead = [], []
@@ -332,6 +329,26 @@ def _relay_alive(p: Probe) -> Outcome:
                         f"older than {limit:g} s: the relay is down or stuck")
         else:
             alive.append(f"partition {part} held by {row.holder}, heartbeat {_age(now, beat)}")
+    return (False, "; ".join(dead)) if dead else (True, "; ".join(alive))
+
+
+def _relay_locks(rows: dict[int, Any], partitions: int, holder_of_lock: Callable[[int], str | None],
+                 lock: str) -> Outcome:
+    """Every partition's relay is alive when it holds the partition's lock (``holder_of_lock``: the name the
+    lock gives, "" when it gives none; None when nobody holds it); the relay_state row says who and since when."""
+    alive, dead = [], []
+    for part in range(partitions):
+        row = rows.get(part)
+        holder = holder_of_lock(part)
+        if holder is not None:
+            name = holder or (row.holder if row is not None and row.holder else "unknown")
+            since = as_utc(row.heartbeat_at) if row is not None else None
+            taken = f" since {since.isoformat(timespec='seconds')}" if since else ""
+            alive.append(f"partition {part} held by {name}{taken}")
+        else:
+            last = f" (last holder {row.holder})" if row is not None and row.holder else ""
+            dead.append(f"partition {part}: no relay holds its {lock}{last}: the relay is down "
+                        f"(start `pollbridge relay run --partition {part}`)")
     return (False, "; ".join(dead)) if dead else (True, "; ".join(alive))
 
 

@@ -36,8 +36,9 @@ What each check measures:
 * ``bus``: the bus answers (its epoch token can be read).
 * ``relay_alive``: every relay partition (``[capture] relay_partitions``) has a live relay: on
   PostgreSQL one holding the partition's advisory lock (released the moment its connection closes); on
-  SQLite one whose lease heartbeat in ``pollbridge_relay_state`` is newer than ``heartbeat_timeouts``
-  times ``relay.lease_timeout``.
+  a SQLite file one holding the partition's lock file beside it (released the moment its process dies,
+  :mod:`bridge.db.filelock`); on SQLite in memory one whose lease heartbeat in ``pollbridge_relay_state``
+  is newer than ``heartbeat_timeouts`` times ``relay.lease_timeout``.
 * ``scheduler_alive``: at least one scheduler process heartbeat within ``heartbeat_timeouts`` times
   ``scheduler.lease_ttl``, and every bus partition is leased by a live one; read where the leases are
   (beside a Redis bus, else ``pollbridge_scheduler_members`` and ``pollbridge_scheduler_leases``).
