@@ -162,6 +162,9 @@ class LeaseSnapshot:
     now: datetime
     members: dict[str, datetime]  # holder -> last heartbeat
     leases: dict[int, tuple[str | None, datetime | None]]  # partition -> (holder, expires)
+    #: Held by locks (lock files beside a SQLite database): a member or lease is live while its lock is held,
+    #: so its heartbeat and expiry are simply "now" (no record is left behind by a dead process).
+    locks: bool = False
 
     def live_members(self, within: float) -> dict[str, datetime]:
         return {h: t for h, t in self.members.items() if (self.now - t).total_seconds() <= within}

@@ -361,6 +361,9 @@ def _scheduler_alive(p: Probe) -> Outcome:
     snap = lease_snapshot(p.engine, p.bus)
     now = snap.now
     live = snap.live_members(limit)
+    if not live and snap.locks:
+        return False, ("no scheduler process holds a member lock file beside the database: "
+                       "start `pollbridge scheduler run`")
     if not live:
         newest = max(snap.members.values(), default=None)
         seen = f"the last heartbeat was {_age(now, newest)}" if newest else "no scheduler process is registered"
@@ -368,7 +371,8 @@ def _scheduler_alive(p: Probe) -> Outcome:
                        "start `pollbridge scheduler run`")
     wanted = s.bus.partitions
     orphaned = sorted(set(range(wanted)) - snap.held_by(live))
-    figures = f"{len(live)} live scheduler process(es), newest heartbeat {_age(now, max(live.values()))}"
+    figures = (f"{len(live)} live scheduler process(es) (by their lock files)" if snap.locks else
+               f"{len(live)} live scheduler process(es), newest heartbeat {_age(now, max(live.values()))}")
     if orphaned:
         return False, (f"{figures}, but bus partition(s) {', '.join(map(str, orphaned))} of {wanted} have no live "
                        "consumer (a process died and its leases have not been taken over yet)")

@@ -41,7 +41,8 @@ What each check measures:
   is newer than ``heartbeat_timeouts`` times ``relay.lease_timeout``.
 * ``scheduler_alive``: at least one scheduler process heartbeat within ``heartbeat_timeouts`` times
   ``scheduler.lease_ttl``, and every bus partition is leased by a live one; read where the leases are
-  (beside a Redis bus, else ``pollbridge_scheduler_members`` and ``pollbridge_scheduler_leases``).
+  (beside a Redis bus; on a SQLite file its lock files, each held for as long as its process lives; else
+  ``pollbridge_scheduler_members`` and ``pollbridge_scheduler_leases``).
 * ``outbox_backlog``: the oldest unpublished outbox row (``published_at IS NULL``) is at most
   ``max_backlog_age`` seconds old, by the database clock.
 * ``consumer_lag``: bus entries not yet delivered to the scheduler's group, over all partitions, at

@@ -1,5 +1,6 @@
 """Partition leases: fair shares, takeover of a dead member's partitions, a lease taken while its holder
-stalled. One suite for every store (database on SQLite and PostgreSQL, Redis beside the bus); the
+stalled. One suite for every store (database on SQLite and PostgreSQL, Redis beside the bus, lock files
+beside a SQLite file); the
 PostgreSQL store's settled round is one statement on the caller's connection and must fall back to the
 full round whenever something changed; the Redis store's round costs the database nothing."""
 
@@ -13,10 +14,17 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
+from bridge.bus.embedded import EmbeddedBus
 from bridge.bus.redis_streams import RedisStreamsBus
 from bridge.db.engine import create_engine
 from bridge.db.schema import scheduler_members
-from event_scheduler.leases import BusPartitionLeases, PartitionLeases, lease_store
+from event_scheduler.leases import (
+    BusPartitionLeases,
+    FileLockPartitionLeases,
+    PartitionLeases,
+    file_members,
+    lease_store,
+)
 from event_scheduler.protocols import PartitionLeaseStore
 from tests.support import LEASE_STORE_PARAMS, age_scheduler_member
 
@@ -30,13 +38,20 @@ class Stores:
     def __init__(self, kind: str, engine: Engine, bus: RedisStreamsBus | None) -> None:
         self.kind, self.engine, self.bus = kind, engine, bus
         self._kept: list[Connection] = []
+        self._members: dict[str, PartitionLeaseStore] = {}
 
     def member(self, holder: str) -> PartitionLeaseStore:
+        store: PartitionLeaseStore
         if self.bus is not None:  # chosen through the bus interface: the leases the bus keeps beside it
             store = lease_store(self.engine, self.bus, holder, ttl=TTL)
             assert isinstance(store, BusPartitionLeases)
-            return store
-        return PartitionLeases(self.engine, PARTITIONS, holder, ttl=TTL)
+        elif self.kind == "files":  # chosen through the bus interface too: the embedded bus on a SQLite file
+            store = lease_store(self.engine, EmbeddedBus(self.engine, partitions=PARTITIONS), holder, ttl=TTL)
+            assert isinstance(store, FileLockPartitionLeases)
+        else:
+            store = PartitionLeases(self.engine, PARTITIONS, holder, ttl=TTL)
+        self._members[holder] = store
+        return store
 
     def kept(self) -> Connection | None:
         """The scheduler loop's kept autocommit connection (the PostgreSQL store's cheap round)."""
@@ -47,10 +62,15 @@ class Stores:
         return conn
 
     def age(self, holder: str | None = None) -> None:
-        """``holder`` (every member if None) stalls: its heartbeat and leases are 60 s old."""
-        age_scheduler_member(self.engine, self.bus, holder, 60)
+        """``holder`` (every member if None) stalls: its heartbeat and leases are 60 s old. Lock files: it dies
+        (a lock has no age; a stalled holder keeps it)."""
+        for name, store in self._members.items():
+            if holder is None or name == holder:
+                age_scheduler_member(self.engine, self.bus, name, 60, store=store)
 
     def members(self) -> list[str]:
+        if self.kind == "files":
+            return file_members(self.engine)
         if self.bus is not None:
             return [m.decode() for m in self.bus.client.zrange(self.bus.keys.scheduler_members, 0, -1)]
         with self.engine.connect() as conn:
@@ -61,10 +81,10 @@ class Stores:
             conn.close()
 
 
-@pytest.fixture(params=LEASE_STORE_PARAMS)
+@pytest.fixture(params=[*LEASE_STORE_PARAMS, "files"])
 def stores(request: pytest.FixtureRequest) -> Iterator[Stores]:
     kind = str(request.param)
-    url = request.getfixturevalue("sqlite_url" if kind == "sqlite" else "pg_url")
+    url = request.getfixturevalue("sqlite_url" if kind in ("sqlite", "files") else "pg_url")
     engine = create_engine(url)
     bus = None
     if kind == "redis":
@@ -104,7 +124,7 @@ def test_two_members_split_the_partitions_and_settle(stores: Stores, statements:
     assert b.refresh(conn_b) == (set(), set())
     if stores.kind == "postgresql":
         assert len(statements) == 2, statements  # settled: one statement per round
-    if stores.kind == "redis":
+    if stores.kind in ("redis", "files"):
         assert statements == []  # the database is not asked at all
     assert a.holders() == {0: "a", 1: "a", 2: "b", 3: "b"} == b.holders()
 
@@ -130,6 +150,12 @@ def test_a_lease_taken_while_stalled_is_reported_lost(stores: Stores) -> None:
     conn_a = stores.kept()
     a.refresh(conn_a)
     assert a.owned == {0, 1, 2, 3}
+    if stores.kind == "files":  # a lock has no ttl: a stalled holder keeps its partitions, nobody takes them
+        b = stores.member("b")
+        assert b.refresh() == (set(), set())
+        assert a.refresh(conn_a) == (set(), {2, 3})  # a gives back the excess over its share to the live b
+        assert b.refresh() == ({2, 3}, set())
+        return
     stores.age()  # a stalls past its ttl
     b = stores.member("b")
     acquired_b, _ = b.refresh()

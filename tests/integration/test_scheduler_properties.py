@@ -326,7 +326,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         old = self.sched
         if crash:
             # Its leases and heartbeat are left behind; let them be as old as an expired lease would be.
-            age_scheduler_member(self.engine, old.bus, old.holder, 3600)
+            age_scheduler_member(self.engine, old.bus, old.holder, 3600, store=old.leases)
         else:
             old.leases.release_all()
         self.sched = self._new_scheduler()
@@ -348,6 +348,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self._settle()
                 self._check_final()
         finally:
+            self.sched.leases.release_all()  # lock files (a SQLite file) are not reset with the tables
             for bus in self.buses:
                 bus.close()
 

@@ -156,12 +156,20 @@ def clear_redis_namespace(redis_url: str, namespace: str) -> int:
         client.close()
 
 
-def age_scheduler_member(engine: Engine, bus: EventBus | None, holder: str | None, seconds: float) -> None:
+def age_scheduler_member(engine: Engine, bus: EventBus | None, holder: str | None, seconds: float,
+                         store: Any = None) -> None:
     """A scheduler process stalled or died: ``holder``'s (every member's if None) heartbeat and leases
-    are ``seconds`` old, wherever the leases are kept (beside a Redis bus, else in the database)."""
+    are ``seconds`` old, wherever the leases are kept (beside a Redis bus, else in the database). Lock files
+    (``store``, a :class:`~event_scheduler.leases.FileLockPartitionLeases`) keep no age: a process's death
+    is its locks' release, which closing their descriptors is (what the kernel does when it dies)."""
     from datetime import UTC, datetime, timedelta
 
     from bridge.db.schema import scheduler_leases, scheduler_members
+    from event_scheduler.leases import FileLockPartitionLeases
+
+    if isinstance(store, FileLockPartitionLeases):
+        store.release_all()
+        return
 
     # Where the scheduler keeps its leases is the bus's answer (a wrapping test bus delegates it): the
     # Redis backend keeps them beside its streams, every other backend leaves them to the database.
