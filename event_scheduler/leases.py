@@ -31,6 +31,7 @@ take. An idle, settled scheduler so costs one statement per round.
 
 from __future__ import annotations
 
+import glob
 import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -187,6 +188,7 @@ class FileLockPartitionLeases:
     def _join(self) -> None:
         """Hold a member slot: the lowest one nobody holds (slots are never removed but by ``uninstall``)."""
         if self._member is not None and self._member.held():
+            self._member.touch()  # this member's heartbeat: the checks tell a stalled one by its time
             return
         slot = 0
         while True:
@@ -233,9 +235,9 @@ class FileLockPartitionLeases:
         return {p: file_holder(self.engine, PARTITION_LOCK.format(p)) for p in range(self.partitions)}
 
 
-def file_members(engine: Engine) -> list[str]:
-    """The holders of the member slots' locks beside ``engine``'s SQLite file (live members, by their locks)."""
-    return [h for f in _numbered(engine, MEMBER_LOCK) if (h := holder_of(f)) is not None]
+def file_members(engine: Engine) -> dict[str, datetime]:
+    """The holders of the member slots' locks beside ``engine``'s SQLite file, each with its last round's time."""
+    return {h.name: h.touched_at for f in _numbered(engine, MEMBER_LOCK) if (h := holder_of(f)) is not None}
 
 
 def _numbered(engine: Engine, name: str) -> list[Path]:
@@ -244,12 +246,13 @@ def _numbered(engine: Engine, name: str) -> list[Path]:
     if first is None:
         return []
     prefix = first.name[:-1]
-    return sorted(f for f in first.parent.glob(f"{prefix}*") if f.name[len(prefix):].isdigit())
+    return sorted(f for f in first.parent.glob(f"{glob.escape(prefix)}*") if f.name[len(prefix):].isdigit())
 
 
 def file_holder(engine: Engine, name: str) -> str | None:
     path = lock_path(engine, name)
-    return None if path is None else holder_of(path)
+    holder = None if path is None else holder_of(path)
+    return None if holder is None else holder.name
 
 
 class BusPartitionLeases:
@@ -296,11 +299,12 @@ def lease_snapshot(engine: Engine, bus: EventBus | None) -> LeaseSnapshot:
     if beside is not None:
         return beside.snapshot()
     if lock_path(engine, MEMBER_LOCK.format(0)) is not None:
-        # Lock files: a member or a lease is live exactly while its lock is held, so it is as fresh as now.
+        # Lock files: a member's heartbeat is its slot file's time (touched every round); a partition is leased
+        # exactly while its lock is held (no expiry: "now" plus a second), by a member the caller may find stale.
         now = datetime.now(UTC)
         partitions = bus.partitions if bus is not None else _file_partitions(engine)
         leased = {p: file_holder(engine, PARTITION_LOCK.format(p)) for p in range(partitions)}
-        return LeaseSnapshot(now=now, members=dict.fromkeys(file_members(engine), now),
+        return LeaseSnapshot(now=now, members=file_members(engine),
                              leases={p: (h, now + timedelta(seconds=1) if h else None) for p, h in leased.items()},
                              locks=True)
     mc, lc = scheduler_members.c, scheduler_leases.c

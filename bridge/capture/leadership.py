@@ -131,6 +131,7 @@ class FileLockLeadership(Leadership):
 
     def try_acquire(self) -> bool:
         if self._lock.held():
+            self._lock.touch()  # working: the checks tell a stalled holder by this time
             return True
         if not self._lock.acquire(self.holder):
             return False

@@ -6,23 +6,35 @@ So every pollbridge process of one SQLite installation can see the same file loc
 holds for a process is the cheapest honest liveness there is: it is released the moment the process dies
 (SIGKILL included, its descriptors close), and holding it costs the database nothing. Before this, a
 relay proved it was alive by renewing a lease row every 2.5 s, a write transaction (``BEGIN IMMEDIATE``
-and an ``UPDATE``), which also woke every process's watcher: 0.8 of the idle embedded event path's 4.4
-statements a second (``python -m bench.cost --rates 0 --configs embedded``, issue 20).
+and an ``UPDATE``): 0.8 of the idle embedded event path's 4.4 statements a second (``python -m bench.cost
+--rates 0 --configs embedded``, issue 20), and a scheduler by a lease round of six statements.
 
 A lock is ``flock(2)`` on its own file, ``<database>-pollbridge_lock_<name>``: ``flock`` locks belong to
 the open file description, so two holders in one process (tests, ``run-all``) exclude each other as two
 processes do, and closing the descriptor releases the lock. The holder's name is written into the file
-for whoever asks who holds it. A file removed while held (``uninstall`` beside a running process) would let a
-second holder lock a new file of the same name: :meth:`FileLock.held` compares the path's inode with the
-held descriptor's, so the first holder sees it lost the lock.
+for whoever asks who holds it, and the holder touches the file's modification time whenever it proves it is
+working (the relay at each leadership check, a scheduler at each lease round): a process that holds a lock
+but stopped working is told from a live one by that time (``status``, the checks). A file removed while held
+(``uninstall`` beside a running process) would let a second holder lock a new file of the same name:
+:meth:`FileLock.held` compares the path's inode with the held descriptor's, so the first holder sees it lost
+the lock.
+
+All of a SQLite installation's relays and schedulers must run one version of this: an older one leads by the
+lease rows and does not see the locks (stop them all before upgrading).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
@@ -44,23 +56,27 @@ class FileLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
+        self._closer: weakref.finalize[Any, FileLock] | None = None
 
     def acquire(self, holder: str) -> bool:
         """Take the lock without waiting; write ``holder`` into the file. True if held now."""
         if self.held():
             return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open(self.path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                os.close(fd)
+                return False
+            with contextlib.suppress(OSError):  # a file others created read-only for us: held, without a name
+                name = holder.encode()
+                os.pwrite(fd, name, 0)  # the new name over the old, then cut: never an empty file between
+                os.ftruncate(fd, len(name))
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
         self._fd = fd
+        # A FileLock dropped without release() lets go of its lock when it is collected, as a process's exit does.
+        self._closer = weakref.finalize(self, _close, fd)
         return self.held()  # False if the file was removed between our open and our lock: the next try makes it
 
     def held(self) -> bool:
@@ -75,26 +91,41 @@ class FileLock:
             self.release()
         return same
 
-    def release(self) -> None:
+    def touch(self) -> None:
+        """Mark the holder alive now (the file's modification time; a ``futimens``, no statement): a process
+        that holds a lock but stopped working (stalled, stuck) is told from a working one by this time."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
-                os.close(self._fd)  # closing the descriptor releases the lock
-            self._fd = None
+                os.utime(self._fd)
+
+    def release(self) -> None:
+        if self._closer is not None:
+            self._closer()  # closing the descriptor releases the lock
+            self._closer = None
+        self._fd = None
 
 
-def holder_of(path: Path) -> str | None:
-    """Who holds the lock on ``path`` ("" when the holder wrote no name); None when nobody holds it."""
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a lock file ("" when the holder could write no name) and when it last touched it (aware UTC)."""
+
+    name: str
+    touched_at: datetime
+
+
+def holder_of(path: Path) -> LockHolder | None:
+    """Who holds the lock on ``path``; None when nobody holds it (or there is no such file)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.pread(fd, 256, 0).decode(errors="replace").strip()
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        # A shared lock taken to ask: a taker that meets it fails for that moment and retries (_try_lock).
+        if _try_lock(fd, fcntl.LOCK_SH, retry=False):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        touched = datetime.fromtimestamp(os.fstat(fd).st_mtime, UTC)
+        return LockHolder(os.pread(fd, 256, 0).decode(errors="replace").strip(), touched)
     finally:
         os.close(fd)
 
@@ -105,11 +136,49 @@ def remove_locks(engine: Engine) -> list[Path]:
     if path is None:
         return []
     removed = []
-    for lock in sorted(path.parent.glob(f"{path.name}{LOCK_INFIX}*")):
+    for lock in sorted(path.parent.glob(f"{glob.escape(path.name)}{LOCK_INFIX}*")):
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
             removed.append(lock)
     return removed
 
 
-__all__ = ["LOCK_INFIX", "FileLock", "holder_of", "lock_path", "remove_locks"]
+def _open(path: Path) -> int:
+    """Open (creating it with the database file's permissions, as SQLite does its ``-wal`` and ``-shm``: a
+    database shared by a group stays usable by each of its users) or, when only reading is allowed, read only."""
+    database = Path(str(path).split(LOCK_INFIX, 1)[0])
+    try:
+        mode = database.stat().st_mode & 0o666
+    except OSError:
+        mode = 0o644
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        try:
+            return os.open(path, os.O_RDWR)
+        except PermissionError:
+            return os.open(path, os.O_RDONLY)  # flock needs no write access
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, mode)  # past the umask, as SQLite does
+    return fd
+
+
+def _try_lock(fd: int, kind: int, retry: bool = True) -> bool:
+    """``flock`` without waiting; once more 10 ms later when ``retry`` (someone asking who holds it holds a
+    shared lock for a moment)."""
+    for attempt in range(2 if retry else 1):
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt == 0 and retry:
+                time.sleep(0.01)
+    return False
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+__all__ = ["LOCK_INFIX", "FileLock", "LockHolder", "holder_of", "lock_path", "remove_locks"]

@@ -309,12 +309,23 @@ def _relay_alive(p: Probe) -> Outcome:
             return _relay_locks(rows, partitions, lambda part: "" if part in held else None, "lock")
     if lock_path(p.engine, relay_lock_name(0)) is not None:
         # SQLite on a file: the relay holds its partition's lock file for as long as it lives (the kernel
-        # releases it when the process dies); its relay_state row is written when it takes it.
+        # releases it when the process dies) and touches it at every leadership check (lease_timeout / 2): a
+        # holder that stopped touching it is stuck. Its relay_state row is written when it takes the lock.
+        limit = s.preflight.heartbeat_timeouts * s.relay.lease_timeout
+        now = datetime.now(UTC)
+        stuck: list[str] = []
+
         def file_holder(part: int) -> str | None:
             path = lock_path(p.engine, relay_lock_name(part))
-            return holder_of(path) if path is not None else None
+            holder = holder_of(path) if path is not None else None
+            if holder is not None and (now - holder.touched_at).total_seconds() > limit:
+                stuck.append(f"partition {part}: held by {holder.name or 'unknown'}, whose last heartbeat (its "
+                             f"lock file's time) was {_age(now, holder.touched_at)}, older than {limit:g} s: "
+                             "the relay is stuck")
+            return None if holder is None else holder.name
 
-        return _relay_locks(rows, partitions, file_holder, "lock file")
+        passed, detail = _relay_locks(rows, partitions, file_holder, "lock file")
+        return (False, "; ".join(stuck)) if stuck else (passed, detail)
     # SQLite in memory: a lease row renewed every lease_timeout / 2 with the host's UTC clock.
     limit = s.preflight.heartbeat_timeouts * s.relay.lease_timeout
     now = datetime.now(UTC)
@@ -361,7 +372,7 @@ def _scheduler_alive(p: Probe) -> Outcome:
     snap = lease_snapshot(p.engine, p.bus)
     now = snap.now
     live = snap.live_members(limit)
-    if not live and snap.locks:
+    if not snap.members and snap.locks:
         return False, ("no scheduler process holds a member lock file beside the database: "
                        "start `pollbridge scheduler run`")
     if not live:
@@ -371,8 +382,7 @@ def _scheduler_alive(p: Probe) -> Outcome:
                        "start `pollbridge scheduler run`")
     wanted = s.bus.partitions
     orphaned = sorted(set(range(wanted)) - snap.held_by(live))
-    figures = (f"{len(live)} live scheduler process(es) (by their lock files)" if snap.locks else
-               f"{len(live)} live scheduler process(es), newest heartbeat {_age(now, max(live.values()))}")
+    figures = f"{len(live)} live scheduler process(es), newest heartbeat {_age(now, max(live.values()))}"
     if orphaned:
         return False, (f"{figures}, but bus partition(s) {', '.join(map(str, orphaned))} of {wanted} have no live "
                        "consumer (a process died and its leases have not been taken over yet)")
@@ -457,7 +467,7 @@ REGISTRY: dict[str, Check] = {c.name: c for c in (
     Check("dags", "the workflows in the task table are DAGs (no cycle, no unknown task key)", _dags,
           ("database", "mapping")),
     Check("bus", "the event bus is reachable", _bus),
-    Check("relay_alive", "every relay partition has a relay with a fresh heartbeat", _relay_alive,
+    Check("relay_alive", "every relay partition has a live relay (its lock held, its heartbeat fresh)", _relay_alive,
           ("database", "migrations")),
     Check("scheduler_alive", "a scheduler process has a fresh heartbeat and every bus partition a consumer",
           _scheduler_alive, ("database", "migrations", "bus")),

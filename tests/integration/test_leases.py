@@ -70,7 +70,7 @@ class Stores:
 
     def members(self) -> list[str]:
         if self.kind == "files":
-            return file_members(self.engine)
+            return list(file_members(self.engine))
         if self.bus is not None:
             return [m.decode() for m in self.bus.client.zrange(self.bus.keys.scheduler_members, 0, -1)]
         with self.engine.connect() as conn:

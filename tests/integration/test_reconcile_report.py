@@ -101,6 +101,7 @@ class Drive:
         try:
             yield d
         finally:
+            sched.leases.release_all()  # on a SQLite file its lock files: the next Drive's scheduler takes them
             bus.close()
 
 
