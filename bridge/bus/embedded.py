@@ -209,7 +209,6 @@ class EmbeddedBus(EventBus):
         self._looked: dict[tuple[str, tuple[int, ...]], tuple[float, int]] = {}
         #: (group, partitions) whose group rows a take found all present (their offsets can be joined).
         self._groups_present: set[tuple[str, tuple[int, ...]]] = set()
-        self._insert_pending = bus_pending.insert().values(delivered_at=db_now(self._dialect))
         self._last_delivery = time.monotonic()
         #: PostgreSQL: each reading thread's kept autocommit connection for its takes (:meth:`_take_pg`), let go
         #: when the thread ends or the bus closes.
@@ -268,7 +267,7 @@ class EmbeddedBus(EventBus):
                 ),
                 {"cls": ADVISORY_LOCK_CLASS, "parts": sorted({int(r["partition"]) for r in rows})},
             )
-        conn.execute(bus_log.insert().values(created_at=db_now(self._dialect)), rows)
+        _insert_rows(conn, bus_log, rows, created_at=db_now(self._dialect))
         if self._listen:
             # Delivered at the commit, folded to one per transaction: wakes idle readers in other processes
             # (their listener), so an entry does not wait for their next poll.
@@ -540,11 +539,9 @@ class EmbeddedBus(EventBus):
             self._take_generation.value = self._changes.generation
         if not rows:
             return []
-        conn.execute(
-            self._insert_pending,
-            [{"group_name": group, "entry_id": r.id, "partition": r.partition, "consumer": consumer,
-              "deliveries": 1} for r in rows],
-        )
+        _insert_rows(conn, bus_pending, [{"group_name": group, "entry_id": r.id, "partition": r.partition,
+                                          "consumer": consumer, "deliveries": 1} for r in rows],
+                     delivered_at=db_now(self._dialect))
         last: dict[int, int] = {}
         for r in rows:
             last[int(r.partition)] = max(last.get(int(r.partition), 0), int(r.id))
@@ -916,6 +913,23 @@ _ADVANCE_OFFSET = (
     .where(bus_groups.c.group_name == sa.bindparam("b_group"), bus_groups.c.partition == sa.bindparam("b_partition"))
     .values(last_delivered_id=sa.bindparam("b_last"))
 )
+
+
+def _insert_rows(conn: Connection, table: sa.Table, rows: list[dict[str, Any]], **same: Any) -> None:
+    """Insert ``rows`` (each also given the ``same`` values). SQLite: one multi-row ``INSERT ... VALUES``, which
+    SQLite runs once; ``executemany`` ran the statement once per row (``bench.cost``, embedded, 2 completions/s:
+    the log's and the pending list's inserts were 3.9 of 16.5 statements per completion, at two rows a claim
+    and a take). PostgreSQL: ``executemany`` (psycopg pipelines it)."""
+    if conn.dialect.name == "sqlite" and len(rows) > 1:
+        # Rows per statement bounded well within SQLite's 32,766 bound parameters.
+        for start in range(0, len(rows), _MULTI_ROWS):
+            conn.execute(table.insert().values([{**row, **same} for row in rows[start:start + _MULTI_ROWS]]))
+        return
+    conn.execute(table.insert().values(**same), rows)
+
+
+#: Rows in one multi-row INSERT on SQLite (:func:`_insert_rows`).
+_MULTI_ROWS = 500
 
 
 #: Per partition of group ``b_group`` with a group row: how many log entries lie after its offset.
