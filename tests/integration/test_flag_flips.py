@@ -223,6 +223,7 @@ class FlipMachine(RuleBasedStateMachine):
                 self._settle()
         finally:
             FlakyStore.down = False
+            self.sched.leases.release_all()  # lock files (a SQLite file) are not reset with the tables
             for bus in self.buses:
                 bus.close()
 

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 
 from bridge.bus import open_bus
 from bridge.bus.base import Delivery, EventBus
+from bridge.db.filelock import remove_locks
 from bridge.reference.oracle import Verdict, verify
 from bridge.tasktable.tables import TaskTable
 from legacy_poller.poller import LegacyPoller
@@ -65,6 +66,9 @@ class StackContext:
                 conn.execute(tt.instances.delete())
             for table in self.reset_tables:
                 conn.execute(table.delete())
+        # SQLite: the liveness lock files beside the database too. A lock an earlier example's scheduler still
+        # holds is then on a removed file: that scheduler sees it lost it, and the next example's takes a new one.
+        remove_locks(self.env.engine)
         if self.redis_url is not None and self.env.namespace is not None:
             clear_redis_namespace(self.redis_url, self.env.namespace)
 
@@ -89,6 +93,7 @@ def reset_shared(engine: Engine) -> Engine:
             conn.execute(sa.text("ALTER TABLE pollbridge_flags_away RENAME TO pollbridge_flags"))
         for name in SHARED_DB_RESET:
             conn.execute(sa.text(f"DELETE FROM {name}"))
+    remove_locks(engine)  # SQLite: the lock files beside it (see StackContext.reset)
     return engine
 
 
