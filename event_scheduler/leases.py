@@ -20,8 +20,8 @@ lock files beside the database (:mod:`bridge.db.filelock`) and no table: a membe
 partition is its holder's while it holds the partition's lock, and the kernel releases both the moment the
 process dies. A round asks the files, never the database: the table store's idle round on SQLite was a write
 transaction of six statements every ``lease_ttl / 3``, 1.6 of the idle embedded event path's 2.5 statements
-a second (``python -m bench.cost --rates 0 --configs embedded``), and each of its commits moved the
-database's change counter, which every other process's watcher then had to read.
+a second (``python -m bench.cost --rates 0 --configs embedded``). A member touches its slot's file at each
+round: that time is its heartbeat for ``status`` and the checks.
 
 On PostgreSQL a round starts with one statement (:data:`ROUND_SQL`: heartbeat, renewal, and what a
 rebalance would need to know) and goes on to the full round only when something changed: a member

@@ -162,8 +162,9 @@ class LeaseSnapshot:
     now: datetime
     members: dict[str, datetime]  # holder -> last heartbeat
     leases: dict[int, tuple[str | None, datetime | None]]  # partition -> (holder, expires)
-    #: Held by locks (lock files beside a SQLite database): a member or lease is live while its lock is held,
-    #: so its heartbeat and expiry are simply "now" (no record is left behind by a dead process).
+    #: Held by locks (lock files beside a SQLite database): a member's heartbeat is the time it last touched its
+    #: lock file, and a lease lasts while its lock is held (its expiry is "now" plus a second); a dead process
+    #: leaves no record behind.
     locks: bool = False
 
     def live_members(self, within: float) -> dict[str, datetime]:

@@ -491,8 +491,9 @@ class Relay:
                         was = leader
                         leader = self.leadership.try_acquire()
                         self.metrics.leader.labels(**self._labels).set(1 if leader else 0)
-                        # A lease row must be renewed well within its timeout; the advisory lock lives with
-                        # its connection, and checking that connection once per timeout is enough.
+                        # A lease row (SQLite in memory) must be renewed well within its timeout, and a lock
+                        # file's time (a SQLite file) touched as often, for the checks; the advisory lock lives
+                        # with its connection, and checking that connection once per timeout is enough.
                         next_heartbeat = now + self.settings.lease_timeout / (1 if self.pg else 2)
                         if leader and not was:
                             if standby_of is not None:
