@@ -313,7 +313,10 @@ def test_a_task_another_dispatcher_takes_during_the_combined_statement_is_a_lost
 
             thread = threading.Thread(target=evaluate)
             thread.start()
-            with engine.connect() as watch:  # the statement waits for the other write's row lock
+            # The statement waits for the other write's row lock. Autocommit: pg_stat_activity is read once per
+            # transaction, so looks in one transaction all saw the first one (a CI run beside a CPU hog looked
+            # before the statement waited, and timed out).
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as watch:
                 wait_for(lambda: watch.execute(sa.text(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "  # cluster-wide view
                     "AND wait_event_type = 'Lock' AND query LIKE 'WITH pb_ev %'"
