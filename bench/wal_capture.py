@@ -52,7 +52,10 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 
-CONFIGS = ("baseline", "trigger", "wal", "wal full", "trigger + relay", "wal + relay", "wal full + relay")
+#: ``wal text``: the relay streams text tuples (``[capture] wal_tuples = "text"``), where ``wal`` streams binary
+#: ones (the reference table's columns capture reads are all of types whose binary form it reads).
+CONFIGS = ("baseline", "trigger", "wal", "wal full", "trigger + relay", "wal + relay", "wal text + relay",
+           "wal full + relay")
 #: Seconds for the statistics to settle around a measuring window (see cost_per_change).
 SETTLE = 8.0
 
@@ -82,9 +85,9 @@ def _set_capture(url: str, config: str) -> None:
         engine.dispose()
 
 
-def _relay(url: str, mode: str, namespace: str) -> contextlib.AbstractContextManager[Any]:
+def _relay(url: str, mode: str, namespace: str, wal_tuples: str = "auto") -> contextlib.AbstractContextManager[Any]:
     """``pollbridge relay run`` in ``mode`` (wake = adaptive); entered once it leads and, for wal, streams."""
-    return relay_process(url, "adaptive", namespace, mode)
+    return relay_process(url, "adaptive", namespace, mode, wal_tuples)
 
 
 def _drained(url: str, mode: str, timeout: float = 120.0) -> None:
@@ -108,16 +111,17 @@ def _xacts(url: str) -> int:
 
 
 def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
-               configs: tuple[str, ...] = CONFIGS) -> dict[str, Any]:
-    tps: dict[str, dict[int, list[float]]] = {c: {1: [], 8: []} for c in configs}
+               configs: tuple[str, ...] = CONFIGS, clients_list: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
+    tps: dict[str, dict[int, list[float]]] = {c: {n: [] for n in clients_list} for c in configs}
     for round_no in range(rounds):
         order = configs if round_no % 2 == 0 else tuple(reversed(configs))
         for config in order:
             _set_capture(url, config)
             mode = "wal" if config.startswith("wal") else "trigger"
-            for clients in (1, 8):
+            for clients in clients_list:
                 _maintenance(url, truncate_outbox=True)
-                relay = _relay(url, mode, namespace) if "relay" in config else contextlib.nullcontext()
+                relay = _relay(url, mode, namespace, "text" if "text" in config else "auto") if "relay" in config \
+                    else contextlib.nullcontext()
                 with relay:
                     result = run_pgbench(url, script, clients, seconds)
                     if "relay" in config:
@@ -127,7 +131,7 @@ def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
     out: dict[str, Any] = {}
     for config in configs:
         out[config] = {}
-        for clients in (1, 8):
+        for clients in clients_list:
             median = statistics.median(tps[config][clients])
             base = statistics.median(tps["baseline"][clients]) if "baseline" in tps else None
             out[config][str(clients)] = {"tps": tps[config][clients], "median": round(median, 1),
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default="write,cost", help="which phases: write, cost, or both")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"write-path configurations, comma-separated (default all: {', '.join(CONFIGS)})")
+    parser.add_argument("--clients", default="1,8", help="write-path client counts, comma-separated")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     configs = tuple(c.strip() for c in args.configs.split(","))
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             phases = set(args.phases.split(","))
             results: dict[str, Any] = {}
             if "write" in phases:
-                results["write_path"] = write_path(url, str(script), args.rounds, args.seconds, namespace, configs)
+                results["write_path"] = write_path(url, str(script), args.rounds, args.seconds, namespace, configs,
+                                                  tuple(int(n) for n in args.clients.split(",")))
             if "cost" in phases:
                 results["cost_per_change"] = cost_per_change(url, [float(r) for r in args.rates.split(",")],
                                                              args.rate_seconds, args.idle_seconds, namespace)
