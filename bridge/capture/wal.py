@@ -86,6 +86,7 @@ from bridge.core.backoff import Backoff
 from bridge.core.errors import MappingMismatch, first_line
 from bridge.core.events import encoded_event
 from bridge.core.mapping import TaskTableMapping
+from bridge.db.driver import DriverStatement
 from bridge.db.engine import discard
 from bridge.db.schema import capture_state as capture_state_table
 from bridge.db.schema import outbox
@@ -527,8 +528,11 @@ class WalCapture:
             ("new_status", off_base("status")), ("attempt", off_base("attempts")), ("depth", off_base("depth")),
         ) if off}
         self._view_statements: dict[tuple[str, ...], sa.Select[Any]] = {}
-        self._insert = self._insert_statement()
+        # Both run once per batch: compiled once, run straight through the driver (bridge.db.driver).
+        self._insert = DriverStatement(self._insert_statement(), engine.dialect)
         self._facts_statement = self._build_facts_statement()
+        self._facts_run = DriverStatement(self._facts_statement if self._facts_statement is not None
+                                          else sa.select(sa.literal(0)), engine.dialect)
 
     # --- decoding --------------------------------------------------------------------------------------
     def handle(self, payload: bytes) -> None:
@@ -860,8 +864,8 @@ class WalCapture:
                             r["depth"] = depths.get(r["task_id"], r.get("depth"))
                     # In chunks: one transaction can change millions of rows (and a lost slot re-derives every
                     # unfinished task), and one parameter holds at most 1 GB.
-                    written = [r for at in range(0, len(rows), self.batch_rows) for r in conn.execute(
-                        self._insert, {"pb_rows": self._rows_document(rows[at:at + self.batch_rows])}).all()]
+                    written = [r for at in range(0, len(rows), self.batch_rows) for r in self._insert.all(
+                        conn, {"pb_rows": self._rows_document(rows[at:at + self.batch_rows])})]
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
                     self.bus.publish_in(conn, [encoded_event(*r[:4]) for r in written])
@@ -979,8 +983,13 @@ class WalCapture:
             return None
         invisible = sa.text(INVISIBLE_XIDS_SQL).columns(sa.column("count", sa.Integer)).subquery("pb_invisible")
         inst_id = sa.cast(inst.c[m.instances.id], sa.Text)
-        return (sa.select(invisible.c.count, inst_id, sa.cast(inst.c[m.instances.workflow_type], sa.Text))
-                .select_from(invisible.outerjoin(inst, inst_id.in_(sa.bindparam("pb_ids", expanding=True)))))
+        # An array parameter, not an expanding IN: the statement's text stays the same for every batch, so it is
+        # compiled once and run straight through the driver (an expanding IN was rendered per call: 4 % of the
+        # relay's CPU at 8 writers, py-spy).
+        ids = sa.func.any(sa.cast(sa.bindparam("pb_ids"), postgresql.ARRAY(sa.Text)))
+        return (sa.select(invisible.c.count.label("invisible"), inst_id.label("instance_id"),
+                          sa.cast(inst.c[m.instances.workflow_type], sa.Text).label("workflow_type"))
+                .select_from(invisible.outerjoin(inst, inst_id == ids)))
 
     def _facts(self, conn: Connection, rows: Sequence[dict[str, Any]], xids: list[int]) -> int:
         """One statement: how many of ``xids`` this snapshot does not see yet and, where the mapping takes the
@@ -989,7 +998,7 @@ class WalCapture:
         if self._facts_statement is None:
             return int(conn.execute(sa.text(INVISIBLE_XIDS_SQL), {"xids": xids}).scalar_one()) if xids else 0
         ids = sorted({r["instance_id"] for r in rows})
-        found = conn.execute(self._facts_statement, {"xids": xids, "pb_ids": ids}).all()
+        found = self._facts_run.all(conn, {"xids": xids, "pb_ids": ids})
         if found and found[0][0]:
             return int(found[0][0])
         types = {str(r[1]): r[2] for r in found if r[1] is not None}

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from bridge.app import install
 from bridge.bus import open_bus
 from bridge.bus.base import EventBus
-from bridge.capture.pgoutput import BINARY_TEXT
+from bridge.capture.pgoutput import BINARY_TEXT, Change, decode
 from bridge.capture.queries import TEXT_COLUMN_TYPES_SQL
 from bridge.capture.wal import WalCapture
 from bridge.core.mapping import StatusValues, TaskColumns, TaskTableMapping
@@ -161,12 +161,30 @@ def _a_task_lives(t: AirflowLike, ti: str) -> None:
 EXPECTED = [("insert", None, None, 0), ("status", None, "queued", 1), ("status", "queued", "success", 1)]
 
 
+class Recording(WalCapture):
+    """A WAL capture that keeps each change as the stream sent it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.changes: list[Change] = []
+
+    def handle(self, payload: bytes) -> None:
+        message = decode(payload)
+        if isinstance(message, Change):
+            self.changes.append(message)
+        super().handle(payload)
+
+    def kinds(self) -> set[type]:
+        return {type(v) for c in self.changes for v in (c.new or ()) if v is not None}
+
+
 def test_a_table_of_uuids_enums_and_domains_is_captured_from_binary_tuples(airflow_like: AirflowLike) -> None:
     ti = str(uuid.uuid4())
     _a_task_lives(airflow_like, ti)
-    capture = WalCapture(airflow_like.engine, airflow_like.tables, airflow_like.bus)
+    capture = Recording(airflow_like.engine, airflow_like.tables, airflow_like.bus)
     assert capture.catch_up() == 3
     assert capture.binary
+    assert capture.kinds() == {bytes}  # the server did send binary tuples
     rows = airflow_like.rows()
     assert [(r.change, r.old_status, r.new_status, r.attempt) for r in rows] == EXPECTED
     with airflow_like.engine.connect() as conn:
@@ -183,9 +201,10 @@ def test_a_text_read_column_of_another_type_makes_the_stream_text(pg_empty_url: 
     try:
         ti = str(uuid.uuid4())
         _a_task_lives(t, ti)
-        capture = WalCapture(t.engine, t.tables, t.bus)
+        capture = Recording(t.engine, t.tables, t.bus)
         assert capture.catch_up() == 3
         assert not capture.binary
+        assert capture.kinds() == {str}
         rows = t.rows()
         assert [(r.change, r.old_status, r.new_status, r.attempt) for r in rows] == EXPECTED
         assert {(r.task_id, r.task_key) for r in rows} == {(ti, "load/2")}
