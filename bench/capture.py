@@ -382,14 +382,12 @@ def run_pgbench(url: str, script: str, clients: int, seconds: int, pgoptions: st
 
 # --- the relay as its own process -------------------------------------------------------------------
 @contextmanager
-def relay_process(url: str, wake: WakeMode, namespace: str, mode: str = "trigger",
-                  wal_tuples: str = "auto") -> Iterator[subprocess.Popen[bytes]]:
-    """``pollbridge relay run`` with ``[capture] wake``, ``mode`` and ``wal_tuples`` and ``[bus] namespace``; yields
-    once it leads (and, capturing from the write-ahead log, streams its slot)."""
+def relay_process(url: str, wake: WakeMode, namespace: str, mode: str = "trigger") -> Iterator[subprocess.Popen[bytes]]:
+    """``pollbridge relay run`` with ``[capture] wake`` and ``mode`` and ``[bus] namespace``; yields once it leads
+    (and, capturing from the write-ahead log, streams its slot)."""
     workdir = tempfile.mkdtemp(prefix="pbbench-relay-")
     Path(workdir, "pollbridge.toml").write_text(
-        f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\nmode = "{mode}"\n'
-        f'wal_tuples = "{wal_tuples}"\n')
+        f'[bus]\nnamespace = "{namespace}"\n[capture]\nwake = "{wake}"\nmode = "{mode}"\n')
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("POLLBRIDGE_")},
            "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": REDIS_URL}
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed")

@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +44,8 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from bench.capture import _libpq, _maintenance, _scalar, relay_process, run_pgbench, seed
+from bench._paths_common import CLK_TCK, MachineLoad
+from bench.capture import _cpu_seconds, _libpq, _maintenance, _scalar, relay_process, run_pgbench, seed
 from bench.common import delete_namespace, machine, scratch_database, write_json
 from bridge.app import install
 from bridge.capture import wal
@@ -52,10 +54,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.core.settings import CaptureSettings
 from bridge.db.engine import create_engine
 
-#: ``wal text``: the relay streams text tuples (``[capture] wal_tuples = "text"``), where ``wal`` streams binary
-#: ones (the reference table's columns capture reads are all of types whose binary form it reads).
-CONFIGS = ("baseline", "trigger", "wal", "wal full", "trigger + relay", "wal + relay", "wal text + relay",
-           "wal full + relay")
+CONFIGS = ("baseline", "trigger", "wal", "wal full", "trigger + relay", "wal + relay", "wal full + relay")
 #: Seconds for the statistics to settle around a measuring window (see cost_per_change).
 SETTLE = 8.0
 
@@ -85,9 +84,9 @@ def _set_capture(url: str, config: str) -> None:
         engine.dispose()
 
 
-def _relay(url: str, mode: str, namespace: str, wal_tuples: str = "auto") -> contextlib.AbstractContextManager[Any]:
+def _relay(url: str, mode: str, namespace: str) -> contextlib.AbstractContextManager[Any]:
     """``pollbridge relay run`` in ``mode`` (wake = adaptive); entered once it leads and, for wal, streams."""
-    return relay_process(url, "adaptive", namespace, mode, wal_tuples)
+    return relay_process(url, "adaptive", namespace, mode)
 
 
 def _drained(url: str, mode: str, timeout: float = 120.0) -> None:
@@ -120,8 +119,7 @@ def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
             mode = "wal" if config.startswith("wal") else "trigger"
             for clients in clients_list:
                 _maintenance(url, truncate_outbox=True)
-                relay = _relay(url, mode, namespace, "text" if "text" in config else "auto") if "relay" in config \
-                    else contextlib.nullcontext()
+                relay = _relay(url, mode, namespace) if "relay" in config else contextlib.nullcontext()
                 with relay:
                     result = run_pgbench(url, script, clients, seconds)
                     if "relay" in config:
@@ -137,6 +135,49 @@ def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
             out[config][str(clients)] = {"tps": tps[config][clients], "median": round(median, 1),
                                          "change_pct": round(100.0 * (median - base) / base, 1) if base else None}
     return out
+
+
+def _pids(url: str, backend_type: str) -> list[int]:
+    with psycopg.connect(_libpq(url), autocommit=True) as conn:
+        return [int(r[0]) for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = %s "
+            "AND pid <> pg_backend_pid()", (backend_type,)).fetchall()]
+
+
+def _redis_pid() -> int | None:
+    found = subprocess.run(["pgrep", "-x", "redis-server"], capture_output=True, text=True).stdout.split()
+    return int(found[0]) if found else None
+
+
+def cpu_split(url: str, script: str, rounds: int, seconds: int, namespace: str) -> dict[str, Any]:
+    """Where WAL capture's CPU goes, per 1,000 captured changes, while 8 pgbench clients write: the walsender
+    (decoding the log), the relay process (decoding the stream, Python), the relay's database backends (its
+    batch inserts and looks) and Redis; and the whole machine's busy CPU. Each window is the pgbench run and the
+    relay's catch-up after it, the relay streaming from before. A CPU figure per change is steadier than the
+    writers' throughput on a 2-core machine whose throughput swings from run to run."""
+    redis_pid = _redis_pid()
+    config = "wal + relay"
+    out: dict[str, list[dict[str, float]]] = {config: []}
+    for round_no in range(rounds):
+        _set_capture(url, "wal")
+        _maintenance(url, truncate_outbox=True)
+        with _relay(url, "wal", namespace) as proc:
+            parts = {"walsender": _pids(url, "walsender"), "relay backends": _pids(url, "client backend"),
+                     "relay": [proc.pid], "redis": [redis_pid] if redis_pid else []}
+            before = {k: _cpu_seconds(v) for k, v in parts.items()}
+            busy0 = MachineLoad._cpu_totals()[0]
+            result = run_pgbench(url, script, 8, seconds)
+            _drained(url, "wal")
+            machine_busy = (MachineLoad._cpu_totals()[0] - busy0) / CLK_TCK
+            changes = result["tps"] * seconds
+            row = {k: round(1000 * (_cpu_seconds(v) - before[k]) / changes, 4) for k, v in parts.items()}
+        row["machine busy"] = round(1000 * machine_busy / changes, 4)
+        row["tps"] = result["tps"]
+        out[config].append(row)
+        print(f"round {round_no + 1} {config:16s} CPU-s per 1,000 changes: "
+              + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    return {c: {"runs": rows, "median": {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}}
+            for c, rows in out.items() if rows}
 
 
 def cost_per_change(url: str, rates: list[float], rate_seconds: float, idle_seconds: float,
@@ -183,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-seconds", type=float, default=10.0)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="1 round of 3 s, 10k rows, short rate runs (CI smoke)")
-    parser.add_argument("--phases", default="write,cost", help="which phases: write, cost, or both")
+    parser.add_argument("--phases", default="write,cost",
+                        help="which phases, comma-separated: write, cost, cpu (where the capture's CPU goes)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"write-path configurations, comma-separated (default all: {', '.join(CONFIGS)})")
     parser.add_argument("--clients", default="1,8", help="write-path client counts, comma-separated")
@@ -217,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             if "write" in phases:
                 results["write_path"] = write_path(url, str(script), args.rounds, args.seconds, namespace, configs,
                                                   tuple(int(n) for n in args.clients.split(",")))
+            if "cpu" in phases:
+                results["cpu_split"] = cpu_split(url, str(script), args.rounds, args.seconds, namespace)
             if "cost" in phases:
                 results["cost_per_change"] = cost_per_change(url, [float(r) for r in args.rates.split(",")],
                                                              args.rate_seconds, args.idle_seconds, namespace)

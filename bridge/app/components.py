@@ -149,7 +149,7 @@ class Components:
         return WalCapture(engine, reflect_tables(engine, s.mapping), bus,
                           relay_partitions=s.capture.relay_partitions,
                           foreign=s.mapping if s.legacy.foreign else None,
-                          hold_quiet=s.relay.idle_probe_interval, binary=s.capture.wal_tuples == "auto")
+                          hold_quiet=s.relay.idle_probe_interval)
 
     def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
                   registry: CollectorRegistry | None = None) -> EventScheduler:

@@ -1,12 +1,10 @@
-"""Decoding PostgreSQL's ``pgoutput`` logical replication messages (protocol version 1, text or binary tuples).
+"""Decoding PostgreSQL's ``pgoutput`` logical replication messages (protocol version 1, text tuples).
 
 The write-ahead-log capture streams a logical replication slot with the built-in ``pgoutput`` plugin; each
 message of the stream is one of the records below. Only what capture needs is decoded: transaction bounds
 (with the commit's LSN and time), relations (a table's columns, sent before its first change in a session
-and again after it changed), inserts, updates and deletes with their tuples (each column as text, or, when
-the stream asked for ``binary``, as its type's binary send format wherever the type has one: kept as
-``bytes``, and turned into the text PostgreSQL would have sent by :data:`BINARY_TEXT` for the types capture
-reads), and logical decoding messages (pollbridge's switch marks). Origin, type and truncate messages are recognised and
+and again after it changed), inserts, updates and deletes with their tuples as text, and logical decoding
+messages (pollbridge's switch marks). Origin, type and truncate messages are recognised and
 skipped. The format is PostgreSQL's
 "Logical Replication Message Formats" chapter; integers are big-endian, strings NUL-terminated.
 """
@@ -14,7 +12,6 @@ skipped. The format is PostgreSQL's
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -56,16 +53,15 @@ class Relation:
     columns: tuple[Column, ...]
 
 
-#: A column's value in a tuple: text, the binary send format (``bytes``, in a binary stream), None for SQL NULL,
-#: or :data:`UNCHANGED` for an unchanged TOASTed value (sent as "unchanged" in an update's new tuple: the value is
-#: whatever it was).
+#: A column's value in a tuple: text, None for SQL NULL, or :data:`UNCHANGED` for an unchanged TOASTed value
+#: (sent as "unchanged" in an update's new tuple: the value is whatever it was).
 class _Unchanged:
     def __repr__(self) -> str:
         return "UNCHANGED"
 
 
 UNCHANGED = _Unchanged()
-Value = str | bytes | None | _Unchanged
+Value = str | None | _Unchanged
 
 
 @dataclass(frozen=True)
@@ -165,64 +161,24 @@ class _Reader:
                 raise DecodeError(f"truncated message: wanted 1 byte(s) at offset {at} of {end}")
             kind = data[at]
             at += 1
-            if kind == 0x74 or kind == 0x62:  # t: text, b: binary
+            if kind == 0x74:  # t: text
                 if at + 4 > end:
                     raise DecodeError(f"truncated message: wanted 4 byte(s) at offset {at} of {end}")
                 (length,) = _INT32.unpack_from(data, at)
                 at += 4
                 if length < 0 or at + length > end:
                     raise DecodeError(f"truncated message: wanted {length} byte(s) at offset {at} of {end}")
-                # A binary value stays bytes: most columns are only compared or not read at all, and the few
-                # capture reads are turned into text by their type's BINARY_TEXT function.
-                values.append(data[at:at + length].decode("utf-8") if kind == 0x74 else data[at:at + length])
+                values.append(data[at:at + length].decode("utf-8"))
                 at += length
             elif kind == 0x6E:  # n: null
                 values.append(None)
             elif kind == 0x75:  # u: unchanged TOASTed value
                 values.append(UNCHANGED)
             else:
-                raise DecodeError(f"tuple column kind {chr(kind)!r} is not handled")
+                raise DecodeError(f"tuple column kind {chr(kind)!r} is not handled (binary tuples are not asked "
+                                  "for)")
         self.at = at
         return tuple(values)
-
-
-def _utf8(raw: bytes) -> str:
-    return raw.decode("utf-8")
-
-
-def _int(fmt: struct.Struct) -> Callable[[bytes], str]:
-    def text(raw: bytes) -> str:
-        if len(raw) != fmt.size:
-            raise DecodeError(f"a binary {fmt.size}-byte integer of {len(raw)} byte(s)")
-        return str(fmt.unpack(raw)[0])
-    return text
-
-
-def _uuid(raw: bytes) -> str:
-    if len(raw) != 16:
-        raise DecodeError(f"a binary uuid of {len(raw)} byte(s)")
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def _bool(raw: bytes) -> str:
-    if len(raw) != 1:
-        raise DecodeError(f"a binary boolean of {len(raw)} byte(s)")
-    return "t" if raw[0] else "f"
-
-
-#: For each type's binary send function (``pg_type.typsend``'s C function, ``pg_proc.prosrc`` of an ``internal``
-#: function, a domain's resolved to its base type's: citext's ``citextsend`` is ``textsend``), what
-#: turns its binary value into the text the type's output function would have sent. Only these types can be
-#: the columns capture reads as text in a binary stream (ids, keys, statuses, attempts, depth); the relay asks
-#: for text tuples when one of them is of another type. The text types' send functions send the text in the
-#: client encoding, as the text tuples do.
-BINARY_TEXT: dict[str, Callable[[bytes], str]] = {
-    "textsend": _utf8, "varcharsend": _utf8, "bpcharsend": _utf8, "namesend": _utf8, "enum_send": _utf8,
-    "int2send": _int(struct.Struct("!h")), "int4send": _int(struct.Struct("!i")),
-    "int8send": _int(struct.Struct("!q")), "oidsend": _int(struct.Struct("!I")),
-    "uuid_send": _uuid, "boolsend": _bool,
-}
 
 
 def decode(data: bytes) -> Message:

@@ -183,27 +183,6 @@ INVISIBLE_XIDS_SQL = (
     f"CAST(CAST({widened_xid_sql('s.xmax', 'x.xid')} AS text) AS xid8), s.snap)")
 
 
-#: PostgreSQL: for each ``(:tables[i], :columns[i])`` (a table's SQL name, a column), the column's type OID (NULL:
-#: no such column) and the C function of its type's binary send function, a domain followed to its base type
-#: (NULL: not an ``internal`` function, or no send function). The WAL capture streams binary tuples only when it
-#: can turn each such column's binary value into text (:data:`bridge.capture.pgoutput.BINARY_TEXT`).
-TEXT_COLUMN_TYPES_SQL = (
-    "WITH RECURSIVE wanted AS ("
-    " SELECT w.t, w.c, a.atttypid AS typ FROM unnest(CAST(:tables AS text[]), CAST(:columns AS text[])) AS w(t, c)"
-    " LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = pg_catalog.to_regclass(w.t) AND a.attname = w.c"
-    " AND a.attnum > 0 AND NOT a.attisdropped), "
-    "base AS ("
-    " SELECT w.typ, t.typtype, t.typbasetype, t.typsend, 0 AS depth FROM wanted w"
-    " JOIN pg_catalog.pg_type t ON t.oid = w.typ"
-    " UNION ALL"
-    " SELECT b.typ, t.typtype, t.typbasetype, t.typsend, b.depth + 1 FROM base b"
-    " JOIN pg_catalog.pg_type t ON t.oid = b.typbasetype WHERE b.typtype = 'd' AND b.depth < 32) "
-    "SELECT w.t, w.c, w.typ, (SELECT p.prosrc FROM base b JOIN pg_catalog.pg_proc p ON p.oid = b.typsend"
-    " JOIN pg_catalog.pg_language l ON l.oid = p.prolang AND l.lanname = 'internal'"
-    " WHERE b.typ = w.typ AND b.typtype <> 'd' LIMIT 1) AS send "
-    "FROM wanted w")
-
-
 @dataclass(frozen=True)
 class RelayQueries:
     """The statements of one relay (one partition), the per-cycle ones built once."""

@@ -60,7 +60,6 @@ from bridge.bus.base import EventBus
 from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.gaps import WAL_SLOT, record_gap_statement
 from bridge.capture.pgoutput import (
-    BINARY_TEXT,
     UNCHANGED,
     Begin,
     Change,
@@ -72,7 +71,7 @@ from bridge.capture.pgoutput import (
     decode,
     lsn_text,
 )
-from bridge.capture.queries import INVISIBLE_XIDS_SQL, TEXT_COLUMN_TYPES_SQL, event_payload_sql
+from bridge.capture.queries import INVISIBLE_XIDS_SQL, event_payload_sql
 from bridge.capture.triggers import (
     CAPTURED,
     WATCHED,
@@ -461,7 +460,7 @@ class WalCapture:
 
     def __init__(self, engine: Engine, tables: TaskTable, bus: EventBus, *, relay_partitions: int = 1,
                  foreign: TaskTableMapping | None = None, batch_rows: int = BATCH_ROWS,
-                 hold_quiet: float = HOLD_QUIET, binary: bool = True) -> None:
+                 hold_quiet: float = HOLD_QUIET) -> None:
         self.engine = engine
         #: How long the stream keeps a batch of quiet changes only (:meth:`_holds`); 0: never.
         self.hold_quiet = hold_quiet
@@ -474,15 +473,6 @@ class WalCapture:
         self.foreign = foreign
         self.batch_rows = batch_rows
         self.relations: dict[int, Relation] = {}
-        #: Whether the stream asks for binary tuples (decided at each connection, :meth:`_stream_options`); what
-        #: turns a binary value of a column capture reads as text into that text, by the column's type OID; and,
-        #: per relation of the stream, those columns' places with their function.
-        self.binary = False
-        self._binary_refused = not binary
-        self._binary_reason = "capture.wal_tuples = \"text\""
-        self._told = False
-        self._to_text: dict[int, Callable[[bytes], str]] = {}
-        self._text_columns: dict[int, tuple[tuple[int, Callable[[bytes], str]], ...]] = {}
         self.pending = _Pending()
         self._txn: list[dict[str, Any]] | None = None
         self._xid = 0
@@ -540,8 +530,6 @@ class WalCapture:
         message = decode(payload)
         if isinstance(message, Relation):
             self.relations[message.relid] = message
-            if self.binary:
-                self._text_columns[message.relid] = self._text_functions(message)
         elif isinstance(message, Begin):
             self._txn = []
             self._xid = message.xid
@@ -608,91 +596,6 @@ class WalCapture:
                             relation.name)
         return target
 
-    # --- binary tuples ---------------------------------------------------------------------------------
-    def _text_names(self, target: int) -> set[str]:
-        """The columns of a captured table whose values capture reads as text (the others are only compared, or
-        not read): a task row's id, status, keys, type, attempts and depth; a related row's match and view
-        columns."""
-        if target >= 0:
-            related = self.tables.mapping.related[target]
-            return {c for _, c in related.match} | {c for _, c in related.columns}
-        cols = self.tables.mapping.columns
-        names = {cols.id, cols.status, cols.workflow_type, cols.attempts, cols.depth,
-                 *cols.parts("instance_id"), *cols.parts("task_key")}
-        return {n for n in names if n}
-
-    def _binary_types(self) -> dict[int, Callable[[bytes], str]] | None:
-        """What turns each text-read column's binary value into its text, by type OID, when every such column's
-        type is one :data:`BINARY_TEXT` reads; None (text tuples) otherwise, before PostgreSQL 14, or once a
-        stream's relation disagreed with the catalog (:meth:`_text_functions`). The reason is kept for the log."""
-        if self._binary_refused:
-            return None
-        with self.engine.connect() as conn:
-            if int(conn.exec_driver_sql("SHOW server_version_num").scalar_one()) < 140000:
-                self._binary_reason = "PostgreSQL before 14 has no binary tuples"
-                return None
-            tables, columns = [], []
-            for index, table in enumerate(published_tables(conn, self.tables)):
-                for name in sorted(self._text_names(index - 1)):
-                    tables.append(table)
-                    columns.append(name)
-            found = conn.execute(sa.text(TEXT_COLUMN_TYPES_SQL), {"tables": tables, "columns": columns}).all()
-        out: dict[int, Callable[[bytes], str]] = {}
-        for table, column, type_oid, send in found:
-            function = BINARY_TEXT.get(send or "")
-            if type_oid is None or function is None:
-                self._binary_reason = (f"column {column} of {table} is of a type whose binary form capture does not "
-                                       "read" if type_oid is not None else f"column {column} of {table} not found")
-                return None
-            out[int(type_oid)] = function
-        return out
-
-    def _stream_options(self) -> dict[str, str]:
-        """pgoutput's options for the next stream: binary tuples where :meth:`_binary_types` allows (the server's
-        send functions cost the walsender less than the text output functions of every column of every change:
-        measured, the writers' throughput beside the stream, in docs/capture.md), else text."""
-        to_text = self._binary_types()
-        binary = to_text is not None
-        if binary != self.binary:
-            # Watched values remembered in the other form would compare unequal to the same value in this one.
-            self._seen.clear()
-            self._seen_related.clear()
-        if binary != self.binary or not self._told:
-            self._told = True
-            log.info("streaming %s tuples%s", "binary" if binary else "text",
-                     "" if binary else f" ({self._binary_reason})")
-        self.binary, self._to_text = binary, to_text or {}
-        self._text_columns.clear()
-        return {**STREAM_OPTIONS, "binary": "true"} if binary else STREAM_OPTIONS
-
-    def _text_functions(self, relation: Relation) -> tuple[tuple[int, Callable[[bytes], str]], ...]:
-        """The places of a relation's text-read columns and what turns each one's binary value into text. A
-        relation whose column type the catalog did not give (the log decoded under an older catalog, after an
-        ``ALTER COLUMN ... TYPE``) ends the stream, and the next one is text (:class:`DecodeError`: the stream
-        restarts from the confirmed position, nothing lost)."""
-        target = self._target(relation)
-        if target is None:
-            return ()
-        names = self._text_names(target)
-        out = []
-        for index, column in enumerate(relation.columns):
-            if column.name in names:
-                function = self._to_text.get(column.type_oid)
-                if function is None:
-                    self._binary_refused = True
-                    self._binary_reason = (f"column {column.name} of {relation.namespace}.{relation.name} arrived "
-                                           f"with type {column.type_oid}, which the catalog did not give")
-                    raise DecodeError(f"{self._binary_reason}: streaming text tuples from now on")
-                out.append((index, function))
-        return tuple(out)
-
-    def _texts(self, change: Change) -> tuple[tuple[Value, ...] | None, tuple[Value, ...] | None]:
-        """A change's new and old tuples with its text-read columns' binary values turned into text."""
-        functions = self._text_columns.get(change.relid) if self.binary else None
-        if not functions:
-            return change.new, change.old
-        return _as_text(change.new, functions), _as_text(change.old, functions)
-
     def _row(self, change: Change, n: int) -> dict[str, Any] | None:
         relation = self.relations.get(change.relid)
         if relation is None or change.kind == "delete" or change.new is None:
@@ -700,12 +603,11 @@ class WalCapture:
         target = self._target(relation)
         if target is None:
             return None
-        new_values, old_values = self._texts(change)
         if target >= 0:
-            return self._related_row(relation, target, change, new_values, old_values, n)
+            return self._related_row(relation, target, change, n)
         names = [c.name for c in relation.columns]
-        new = dict(zip(names, new_values or (), strict=False))
-        old = dict(zip(names, old_values, strict=False)) if old_values is not None else None
+        new = dict(zip(names, change.new, strict=False))
+        old = dict(zip(names, change.old, strict=False)) if change.old is not None else None
         cols = self.tables.mapping.columns
         task_id = new.get(cols.id)
         if not isinstance(task_id, str):
@@ -752,8 +654,7 @@ class WalCapture:
             "depth": _small_int(depth),
         }
 
-    def _related_row(self, relation: Relation, index: int, change: Change, new_values: tuple[Value, ...] | None,
-                     old_values: tuple[Value, ...] | None, n: int) -> dict[str, Any] | None:
+    def _related_row(self, relation: Relation, index: int, change: Change, n: int) -> dict[str, Any] | None:
         """A change of a ``[[mapping.related]]`` row: a marker that becomes, when written, a status change of every
         task row (read through the read view) whose match columns equal the row's, as the related trigger writes
         (:data:`pb_related`, :data:`pb_match`: the related columns' values, as text, in match order). An update
@@ -761,8 +662,8 @@ class WalCapture:
         row's replica identity key, or the whole old row under ``REPLICA IDENTITY FULL``)."""
         related = self.tables.mapping.related[index]
         names = [c.name for c in relation.columns]
-        new = dict(zip(names, new_values or (), strict=False))
-        old = dict(zip(names, old_values, strict=False)) if old_values is not None and change.old_full else None
+        new = dict(zip(names, change.new or (), strict=False))
+        old = dict(zip(names, change.old, strict=False)) if change.old is not None and change.old_full else None
         key = (index, tuple(new.get(c.name) for c in relation.columns if c.key))
         watched_now = tuple(new.get(c) for c in related.watch)
         remembered = self._seen_related.get(key)
@@ -1117,7 +1018,7 @@ class WalCapture:
             self._load_bounds()
             # From what this process wrote and confirmed (the server skips transactions committed before it): a
             # stream restarted in the process does not repeat a batch whose confirmation the server had not taken.
-            cur.start_replication(slot_name=self.slot, decode=False, options=self._stream_options(),
+            cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS,
                                   start_lsn=self.confirmed_lsn)
             log.info("streaming slot %s from %s", self.slot, lsn_text(self.confirmed_lsn))
             last_feedback = time.monotonic()
@@ -1162,7 +1063,7 @@ class WalCapture:
             cur = conn.cursor()
             self._load_bounds()
             try:
-                cur.start_replication(slot_name=self.slot, decode=False, options=self._stream_options(),
+                cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS,
                                       start_lsn=self.confirmed_lsn)
                 break
             except psycopg2.errors.ObjectInUse:
@@ -1273,19 +1174,6 @@ def _view_values(v: Any) -> dict[str, Any]:
     return {"task_id": v.task_id, "instance_id": v.instance_id, "task_key": v.task_key,
             "workflow_type": v.workflow_type, "new_status": v.status, "attempt": _small_int(v.attempt),
             "depth": _small_int(v.depth)}
-
-
-def _as_text(values: tuple[Value, ...] | None,
-             functions: tuple[tuple[int, Callable[[bytes], str]], ...]) -> tuple[Value, ...] | None:
-    if values is None:
-        return None
-    out = list(values)
-    for index, function in functions:
-        if index < len(out):
-            value = out[index]
-            if isinstance(value, bytes):
-                out[index] = function(value)
-    return tuple(out)
 
 
 def _text(value: Value) -> str:

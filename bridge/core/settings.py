@@ -50,7 +50,6 @@ from bridge.core.urls import validate_bus_url, validate_namespace
 WakeMode = Literal["poll", "notify", "adaptive"]
 WAKE_MODES: tuple[WakeMode, ...] = ("poll", "notify", "adaptive")
 CAPTURE_MODES = ("trigger", "wal")
-WAL_TUPLES = ("auto", "text")
 
 DEFAULT_DATABASE_URL = "sqlite:///pollbridge.db"
 DEFAULT_BUS_URL = "embedded"
@@ -121,15 +120,10 @@ class CaptureSettings:
     #: ``trigger`` (row triggers write the outbox in the writer's transaction; SQLite, or PostgreSQL without
     #: logical decoding) or ``wal`` (PostgreSQL's write-ahead log, streamed from a replication slot).
     mode: str = "trigger"
-    #: With ``mode = "wal"``: ``auto`` streams binary tuples whenever every column capture reads as text is of a
-    #: type whose binary form it reads (cheaper for the server's walsender), else text; ``text`` always text.
-    wal_tuples: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in CAPTURE_MODES:
             raise ConfigError(f"capture.mode must be one of {', '.join(CAPTURE_MODES)}, got {self.mode!r}")
-        if self.wal_tuples not in WAL_TUPLES:
-            raise ConfigError(f"capture.wal_tuples must be one of {', '.join(WAL_TUPLES)}, got {self.wal_tuples!r}")
         if self.wake not in WAKE_MODES:
             raise ConfigError(f"capture.wake must be one of {', '.join(WAKE_MODES)}, got {self.wake!r}")
         _positive(self.relay_partitions, "capture.relay_partitions", integer=True)
@@ -461,7 +455,7 @@ def settings_from_dict(raw: Mapping[str, Any]) -> Settings:
                           f"expected some of: {', '.join(sorted(known))}")
     database = _table(raw, "database", {"url"})
     bus = _table(raw, "bus", {"url", "partitions", "namespace", "visibility_timeout", "listen"})
-    capture = _table(raw, "capture", {f.name for f in fields(CaptureSettings)})
+    capture = _table(raw, "capture", {"wake", "relay_partitions", "mode"})
     relay = _table(raw, "relay", {f.name for f in fields(RelaySettings)})
     scheduler = _scheduler_settings(raw)
     poller = _table(raw, "poller", {"interval", "batch_size", "running_timeout"})

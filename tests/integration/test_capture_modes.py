@@ -846,3 +846,54 @@ def test_the_relays_per_batch_statements_run_straight_through_the_driver(walcap:
     capture = WalCapture(walcap.engine, walcap.tables, walcap.bus)
     assert capture._insert.direct
     assert capture._facts_run.direct
+
+
+class _FeedbackLost(WalCapture):
+    """A WAL capture whose confirmations never reach the server (as when the stream breaks between a batch's
+    commit and the server taking its confirmation)."""
+
+    def _flush_and_confirm(self, cur: Any) -> None:
+        self._holding_since, self._switching = None, False
+        self.flush()
+
+
+@pytest.mark.postgres
+def test_a_stream_restarted_in_the_relay_starts_after_what_it_captured(walcap: Capture) -> None:
+    """The stream breaks after a batch was written but before the server took its confirmation; the relay's
+    next stream starts at what the process confirmed, so the batch is not captured a second time (before, it
+    started at the slot's position and captured it again, with the same event ids)."""
+    capture = _FeedbackLost(walcap.engine, walcap.tables, walcap.bus)
+    stop = threading.Event()
+    thread = threading.Thread(target=capture.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: slot_active(walcap), 20.0, what="the slot to be streamed")
+        ids = _new_instance(walcap, "restart", ["a"])
+        wait_for(lambda: len(_outbox_rows(walcap)) == 1, 20.0, what="the insert captured")
+        with walcap.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            slot = slot_state(conn)
+            pid = conn.exec_driver_sql("SELECT active_pid FROM pg_replication_slots "
+                                       f"WHERE slot_name = '{capture.slot}'").scalar()
+            assert slot.active and pid is not None
+            conn.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+        wait_for(lambda: _streamed_by_another(walcap, capture.slot, int(pid)), 20.0, what="a new stream")
+        t = walcap.tables.tasks
+        with walcap.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.id == ids["a"]).values(status="queued"))
+        wait_for(lambda: len(_outbox_rows(walcap)) >= 2, 20.0, what="the status change captured")
+    finally:
+        stop.set()
+        thread.join(20)
+    rows = _outbox_rows(walcap)
+    assert [(r.change, r.new_status) for r in rows] == [("insert", "pending"), ("status", "queued")]
+
+
+def _outbox_rows(c: Capture) -> list[Any]:
+    with c.engine.connect() as conn:
+        return list(conn.execute(sa.select(outbox).where(outbox.c.instance_id == "restart").order_by(outbox.c.id)))
+
+
+def _streamed_by_another(c: Capture, slot: str, pid: int) -> bool:
+    with c.engine.connect() as conn:
+        now = conn.exec_driver_sql(f"SELECT active_pid FROM pg_replication_slots WHERE slot_name = '{slot}'").scalar()
+    return now is not None and int(now) != pid

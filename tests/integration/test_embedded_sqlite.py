@@ -1,5 +1,6 @@
 """The embedded bus on SQLite: a publish of several events and a take of several entries each insert their
-rows with one statement run once (a multi-row INSERT), not once per row; the rows are the same."""
+rows with one statement run once (a multi-row INSERT), not once per row, and a take moves the offsets of all
+its partitions with one UPDATE; the rows are the same."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sqlalchemy as sa
 from bridge.bus.embedded import EmbeddedBus
 from bridge.core.events import TASK_STATUS_CHANGED, CloudEvent, new_event_id
 from bridge.db.engine import create_engine
-from bridge.db.schema import bus_log, bus_pending
+from bridge.db.schema import bus_groups, bus_log, bus_pending
 
 
 def _event(instance: str) -> CloudEvent:
@@ -44,6 +45,40 @@ def test_a_publish_and_a_take_of_many_rows_are_one_insert_each(sqlite_url: str) 
                                              bus_pending.c.delivered_at)).all()
         assert len(pending) == 5 and {(p.consumer, p.deliveries) for p in pending} == {("c1", 1)}
         assert all(p.delivered_at is not None for p in pending)
+    finally:
+        bus.close()
+        engine.dispose()
+
+
+def test_a_take_over_several_partitions_moves_their_offsets_with_one_update(sqlite_url: str) -> None:
+    engine = create_engine(sqlite_url)
+    bus = EmbeddedBus(engine, partitions=4)
+    updates: list[tuple[str, bool]] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, _params: Any, _context: Any, many: bool) -> None:
+        if "pollbridge_bus_groups" in statement and statement.lstrip().upper().startswith("UPDATE"):
+            updates.append((statement, many))
+
+    try:
+        bus.ensure_group("g")
+        events = [_event(f"i-{k}") for k in range(12)]
+        bus.publish(events)
+        with engine.connect() as conn:
+            last = dict(conn.execute(sa.select(bus_log.c.partition, sa.func.max(bus_log.c.id))
+                                     .group_by(bus_log.c.partition)).all())
+        assert len(last) >= 2  # the instances spread over several partitions
+        sa.event.listen(engine, "before_cursor_execute", seen)
+        got = bus.read("g", "c1", [0, 1, 2, 3], 100, 0.0)
+        sa.event.remove(engine, "before_cursor_execute", seen)
+        assert sorted(d.event.id for d in got if d.event is not None) == sorted(e.id for e in events)
+        assert len(updates) == 1 and not updates[0][1], updates  # one statement, run once
+        with engine.connect() as conn:
+            offsets = dict(conn.execute(sa.select(bus_groups.c.partition, bus_groups.c.last_delivered_id)
+                                        .where(bus_groups.c.group_name == "g")).all())
+        assert offsets == {p: last.get(p, 0) for p in range(4)}
+        more = _event("i-late")
+        bus.publish([more])
+        assert [d.event.id for d in bus.read("g", "c1", [0, 1, 2, 3], 100, 0.0) if d.event is not None] == [more.id]
     finally:
         bus.close()
         engine.dispose()

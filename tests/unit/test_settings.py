@@ -303,7 +303,6 @@ def test_sections_must_be_tables(section: str) -> None:
         ("database", "url", 5),
         ("bus", "url", ""),
         ("bus", "url", ["embedded"]),
-        ("capture", "wal_tuples", "binary"),
     ],
 )
 def test_wrong_values_are_rejected_naming_the_key(section: str, key: str, value: object) -> None:
@@ -376,18 +375,3 @@ def test_non_table_mapping_dependencies_is_a_config_error(tmp_path: Path) -> Non
     path = _write(tmp_path / "conf.toml", '[mapping]\ndependencies = "edges"\n')
     with pytest.raises(ConfigError):
         load_settings(path, environ={})
-
-
-def test_capture_wal_tuples_reaches_the_wal_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bridge.capture.wal as wal_module
-    import bridge.tasktable.tables as tables_module
-    from bridge.app.components import Components
-
-    assert settings_from_dict({}).capture.wal_tuples == "auto"
-    made: list[dict[str, Any]] = []
-    monkeypatch.setattr(wal_module, "WalCapture", lambda *args, **kwargs: made.append(kwargs))
-    monkeypatch.setattr(tables_module, "reflect_tables", lambda *args, **kwargs: None)
-    for value in ("text", "auto"):
-        settings = settings_from_dict({"capture": {"wal_tuples": value, "mode": "wal"}})
-        Components(settings).wal_capture(None, None)  # type: ignore[arg-type]
-    assert [m["binary"] for m in made] == [False, True]
