@@ -1,13 +1,15 @@
 """Write-ahead-log capture against trigger capture: the scheduler's write path, and what the relay costs per change.
 
-    python -m bench.wal_capture [--rounds 3] [--seconds 10] [--rows 100000] [--configs A,B] [--json F] [--quick]
+    python -m bench.wal_capture [--phases write,cost,cpu] [--rounds 3] [--seconds 10] [--rows 100000] [--configs A,B]
+                                [--clients 1,8] [--json F] [--quick]
 
 Needs ``wal_level = logical`` (``.ci/run`` sets it). One scratch database with the reference schema and
 ``--rows`` tasks; Redis for the relay's bus (a namespace of its own, deleted at the end).
 
 1. **Write path.** pgbench runs random single-row status UPDATEs (each one changes the status, so each is a
-   captured change) for ``--seconds`` with 1 and 8 clients, in each configuration, the configurations in an
-   order that alternates from round to round (forward, then backward), so drift and other load fall on all:
+   captured change) for ``--seconds`` with 1 and 8 clients (``--clients``), in each configuration, the
+   configurations in an order that alternates from round to round (forward, then backward), so drift and other
+   load fall on all:
 
    * ``baseline``: no capture at all;
    * ``trigger``: the capture triggers (wake = poll), no relay: the trigger's own cost;
@@ -25,6 +27,9 @@ Needs ``wal_level = logical`` (``.ci/run`` sets it). One scratch database with t
    writer's own (one per change), divided by the changes: what capture and the relay cost the database per
    change (the idle transactions of the window included: at 2 changes/s they are most of it). First, the
    transactions per second with nothing written (idle).
+3. **Where WAL capture's CPU goes** (``--phases cpu``, not by default): with the relay streaming, 8 pgbench
+   clients for ``--seconds`` and the relay's catch-up, ``--rounds`` times; CPU-seconds per 1,000 changes of the
+   walsender, the relay process, the relay's database backends, Redis and the whole machine (:func:`cpu_split`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import redis
 import sqlalchemy as sa
 
-from bench._paths_common import CLK_TCK, MachineLoad
+from bench._paths_common import CLK_TCK
 from bench.capture import _cpu_seconds, _libpq, _maintenance, _scalar, relay_process, run_pgbench, seed
-from bench.common import delete_namespace, machine, scratch_database, write_json
+from bench.common import REDIS_URL, delete_namespace, machine, scratch_database, write_json
 from bridge.app import install
 from bridge.capture import wal
 from bridge.capture.triggers import remove_capture
@@ -137,24 +142,41 @@ def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
     return out
 
 
-def _pids(url: str, backend_type: str) -> list[int]:
+def _server_cpu(url: str, backend_type: str) -> dict[int, float]:
+    """CPU seconds so far of each server process of ``backend_type`` on this database (pgbench's clients and this
+    look aside)."""
     with psycopg.connect(_libpq(url), autocommit=True) as conn:
-        return [int(r[0]) for r in conn.execute(
+        pids = [int(r[0]) for r in conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = %s "
-            "AND pid <> pg_backend_pid()", (backend_type,)).fetchall()]
+            "AND pid <> pg_backend_pid() AND coalesce(application_name, '') <> 'pgbench'", (backend_type,)).fetchall()]
+    return {pid: _cpu_seconds([pid]) for pid in pids}
+
+
+def _used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU used between two readings: a process that appeared in between counts from 0, one that is gone is not
+    counted (its last seconds are lost)."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
 def _redis_pid() -> int | None:
-    found = subprocess.run(["pgrep", "-x", "redis-server"], capture_output=True, text=True).stdout.split()
-    return int(found[0]) if found else None
+    with contextlib.suppress(Exception):
+        return int(redis.Redis.from_url(REDIS_URL).info("server")["process_id"])
+    return None
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (``/proc/stat``: all but idle and iowait)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / CLK_TCK
 
 
 def cpu_split(url: str, script: str, rounds: int, seconds: int, namespace: str) -> dict[str, Any]:
     """Where WAL capture's CPU goes, per 1,000 captured changes, while 8 pgbench clients write: the walsender
     (decoding the log), the relay process (decoding the stream, Python), the relay's database backends (its
     batch inserts and looks) and Redis; and the whole machine's busy CPU. Each window is the pgbench run and the
-    relay's catch-up after it, the relay streaming from before. A CPU figure per change is steadier than the
-    writers' throughput on a 2-core machine whose throughput swings from run to run."""
+    relay's catch-up after it, the relay streaming from before; the changes are pgbench's committed transactions
+    (each one a captured change). A CPU figure per change is steadier than the writers' throughput on a 2-core
+    machine whose throughput swings from run to run."""
     redis_pid = _redis_pid()
     config = "wal + relay"
     out: dict[str, list[dict[str, float]]] = {config: []}
@@ -162,15 +184,18 @@ def cpu_split(url: str, script: str, rounds: int, seconds: int, namespace: str) 
         _set_capture(url, "wal")
         _maintenance(url, truncate_outbox=True)
         with _relay(url, "wal", namespace) as proc:
-            parts = {"walsender": _pids(url, "walsender"), "relay backends": _pids(url, "client backend"),
-                     "relay": [proc.pid], "redis": [redis_pid] if redis_pid else []}
-            before = {k: _cpu_seconds(v) for k, v in parts.items()}
-            busy0 = MachineLoad._cpu_totals()[0]
+            local = {"relay": [proc.pid], "redis": [redis_pid] if redis_pid else []}
+            before = {k: _cpu_seconds(v) for k, v in local.items()}
+            server = {kind: _server_cpu(url, kind) for kind in ("walsender", "client backend")}
+            busy0 = _busy_seconds()
             result = run_pgbench(url, script, 8, seconds)
             _drained(url, "wal")
-            machine_busy = (MachineLoad._cpu_totals()[0] - busy0) / CLK_TCK
-            changes = result["tps"] * seconds
-            row = {k: round(1000 * (_cpu_seconds(v) - before[k]) / changes, 4) for k, v in parts.items()}
+            machine_busy = _busy_seconds() - busy0
+            used = {k: _cpu_seconds(v) - before[k] for k, v in local.items()}
+            used["walsender"] = _used(server["walsender"], _server_cpu(url, "walsender"))
+            used["relay backends"] = _used(server["client backend"], _server_cpu(url, "client backend"))
+        changes = result["transactions"] or result["tps"] * seconds
+        row = {k: round(1000 * used[k] / changes, 4) for k in ("walsender", "relay", "relay backends", "redis")}
         row["machine busy"] = round(1000 * machine_busy / changes, 4)
         row["tps"] = result["tps"]
         out[config].append(row)

@@ -1,5 +1,6 @@
-"""What the server's walsender spends per captured change with text and with binary tuples (``[capture]
-wal_tuples``), on a wide table shaped like Airflow 3's ``task_instance``.
+"""What the server's walsender spends per captured change with pgoutput's text tuples and with its ``binary`` ones,
+on a wide table shaped like Airflow 3's ``task_instance`` (binary tuples were measured here and not adopted:
+docs/capture.md).
 
     python -m bench.wal_tuples [--rounds 3] [--seconds 8] [--rows 100000] [--quick] [--json F]
 
@@ -16,6 +17,7 @@ and output alone, without pollbridge's relay (``python -m bench.wal_capture --ph
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import tempfile
@@ -27,6 +29,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from bench._paths_common import cpu_seconds
+from bench.capture import _libpq, run_pgbench
 from bench.common import machine, scratch_database, write_json
 
 SLOT = "pb_bench_wal_tuples"
@@ -55,26 +58,38 @@ UPDATE = ("\\set g random(1, {rows})\n"
           "updated_at = now() WHERE task_id = 'task_' || :g;\n")
 
 
-def _pgbench(url: str, script: str, seconds: int) -> float:
-    u = make_url(url)
-    out = subprocess.run(["pgbench", "-n", "-f", script, "-c", "8", "-j", "8", "-T", str(seconds), "-h",
-                          u.host or "127.0.0.1", "-p", str(u.port or 5432), "-U", u.username or "postgres",
-                          u.database or ""], capture_output=True, text=True, check=True).stdout
-    return float(next(line for line in out.splitlines() if line.startswith("tps")).split()[2])
-
-
 def _reader(url: str, binary: bool) -> subprocess.Popen[bytes]:
     u = make_url(url)
     options = ["-o", "proto_version=1", "-o", f"publication_names={PUBLICATION}"]
     if binary:
         options += ["-o", "binary=true"]
+    env = dict(os.environ)
+    if u.password:
+        env["PGPASSWORD"] = str(u.password)
     return subprocess.Popen(["pg_recvlogical", "-h", u.host or "127.0.0.1", "-p", str(u.port or 5432), "-U",
                              u.username or "postgres", "-d", u.database or "", "--slot", SLOT, "--start", "-f",
-                             "/dev/null", "-F", "1", *options])
+                             "/dev/null", "-F", "1", *options], env=env)
 
 
-def _libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+def _cpu(pid: int, what: str) -> float:
+    value = cpu_seconds(pid)
+    if value is None:
+        raise RuntimeError(f"the {what} (pid {pid}) is gone")
+    return value
+
+
+def _until_confirmed(dsn: str, reader: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    """Until the reader has confirmed everything written so far (bounded; the reader must stay alive)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        target = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+        while not conn.execute("SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
+                               (target, SLOT)).fetchone()[0]:  # type: ignore[index]
+            if reader.poll() is not None:
+                raise RuntimeError(f"pg_recvlogical exited ({reader.returncode}) before it caught up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pg_recvlogical did not catch up within {timeout:g} s")
+            time.sleep(0.1)
 
 
 def run(url: str, rounds: int, seconds: int, rows: int) -> dict[str, Any]:
@@ -88,7 +103,7 @@ def run(url: str, rounds: int, seconds: int, rows: int) -> dict[str, Any]:
         conn.execute("VACUUM ANALYZE task_instance")
     script = Path(tempfile.mkdtemp(prefix="pbbench-tuples-")) / "update.sql"
     script.write_text(UPDATE.format(rows=rows))
-    _pgbench(url, str(script), 2)  # warm-up
+    run_pgbench(url, str(script), 8, 2)  # warm-up
     out: dict[str, list[dict[str, float]]] = {"text": [], "binary": []}
     try:
         for round_no in range(rounds):
@@ -107,14 +122,10 @@ def run(url: str, rounds: int, seconds: int, rows: int) -> dict[str, Any]:
                         time.sleep(0.1)
                     if walsender is None:
                         raise RuntimeError("pg_recvlogical did not start streaming")
-                    before = (cpu_seconds(walsender) or 0.0, cpu_seconds(reader.pid) or 0.0)
-                    tps = _pgbench(url, str(script), seconds)
-                    with psycopg.connect(dsn, autocommit=True) as conn:
-                        target = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
-                        while not conn.execute("SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE "
-                                               "slot_name = %s", (target, SLOT)).fetchone()[0]:  # type: ignore[index]
-                            time.sleep(0.1)
-                    after = (cpu_seconds(walsender) or 0.0, cpu_seconds(reader.pid) or 0.0)
+                    before = (_cpu(walsender, "walsender"), _cpu(reader.pid, "reader"))
+                    tps = float(run_pgbench(url, str(script), 8, seconds)["tps"])
+                    _until_confirmed(dsn, reader)
+                    after = (_cpu(walsender, "walsender"), _cpu(reader.pid, "reader"))
                 finally:
                     reader.terminate()
                     reader.wait(10)

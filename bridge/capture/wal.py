@@ -70,6 +70,7 @@ from bridge.capture.pgoutput import (
     Value,
     decode,
     lsn_text,
+    parse_lsn,
 )
 from bridge.capture.queries import INVISIBLE_XIDS_SQL, event_payload_sql
 from bridge.capture.triggers import (
@@ -484,6 +485,8 @@ class WalCapture:
         self._seen_related: OrderedDict[tuple[int, tuple[Value, ...]],
                                         tuple[tuple[Value, ...], tuple[Value, ...]]] = OrderedDict()
         self.confirmed_lsn = 0
+        #: The server the last stream ran on: (system identifier, timeline), from IDENTIFY_SYSTEM.
+        self._server: tuple[str, int] | None = None
         self.captured = 0
         self._conn: Connection | None = None
         #: The WAL capture's share of the changes (see :func:`bounds`), read at each connection and after a
@@ -520,9 +523,8 @@ class WalCapture:
         self._view_statements: dict[tuple[str, ...], sa.Select[Any]] = {}
         # Both run once per batch: compiled once, run straight through the driver (bridge.db.driver).
         self._insert = DriverStatement(self._insert_statement(), engine.dialect)
-        self._facts_statement = self._build_facts_statement()
-        self._facts_run = DriverStatement(self._facts_statement if self._facts_statement is not None
-                                          else sa.select(sa.literal(0)), engine.dialect)
+        self._types_from_instances, facts = self._build_facts_statement()
+        self._facts_run = DriverStatement(facts, engine.dialect)
 
     # --- decoding --------------------------------------------------------------------------------------
     def handle(self, payload: bytes) -> None:
@@ -875,29 +877,30 @@ class WalCapture:
         if waited:
             self.invisible_waits += 1
 
-    def _build_facts_statement(self) -> sa.Select[Any] | None:
-        """:meth:`_facts`'s statement where the mapping takes the workflow type from the instances table: the
-        invisible count beside the batch's instances (``:pb_ids``), at least one row. None otherwise."""
+    def _build_facts_statement(self) -> tuple[bool, sa.Select[Any]]:
+        """:meth:`_facts`'s statement: the count of ``:xids`` this snapshot does not see yet and, where the mapping
+        takes the workflow type from the instances table (True, first), beside it the batch's instances
+        (``:pb_ids``), at least one row."""
         m = self.tables.mapping
         inst = self.tables.instances
-        if m.columns.workflow_type or m.instances is None or inst is None:
-            return None
         invisible = sa.text(INVISIBLE_XIDS_SQL).columns(sa.column("count", sa.Integer)).subquery("pb_invisible")
+        if m.columns.workflow_type or m.instances is None or inst is None:
+            return False, sa.select(invisible.c.count.label("invisible"))
         inst_id = sa.cast(inst.c[m.instances.id], sa.Text)
         # An array parameter, not an expanding IN: the statement's text stays the same for every batch, so it is
         # compiled once and run straight through the driver (an expanding IN was rendered per call: 4 % of the
         # relay's CPU at 8 writers, py-spy).
         ids = sa.func.any(sa.cast(sa.bindparam("pb_ids"), postgresql.ARRAY(sa.Text)))
-        return (sa.select(invisible.c.count.label("invisible"), inst_id.label("instance_id"),
-                          sa.cast(inst.c[m.instances.workflow_type], sa.Text).label("workflow_type"))
-                .select_from(invisible.outerjoin(inst, inst_id == ids)))
+        return True, (sa.select(invisible.c.count.label("invisible"), inst_id.label("instance_id"),
+                                sa.cast(inst.c[m.instances.workflow_type], sa.Text).label("workflow_type"))
+                      .select_from(invisible.outerjoin(inst, inst_id == ids)))
 
     def _facts(self, conn: Connection, rows: Sequence[dict[str, Any]], xids: list[int]) -> int:
         """One statement: how many of ``xids`` this snapshot does not see yet and, where the mapping takes the
         workflow type from the instances table, the rows' types (set only when every transaction is visible:
         an instance inserted with its tasks is found then). Returns the invisible count."""
-        if self._facts_statement is None:
-            return int(conn.execute(sa.text(INVISIBLE_XIDS_SQL), {"xids": xids}).scalar_one()) if xids else 0
+        if not self._types_from_instances:
+            return int(self._facts_run.all(conn, {"xids": xids})[0][0]) if xids else 0
         ids = sorted({r["instance_id"] for r in rows})
         found = self._facts_run.all(conn, {"xids": xids, "pb_ids": ids})
         if found and found[0][0]:
@@ -1016,11 +1019,10 @@ class WalCapture:
         try:
             cur = conn.cursor()
             self._load_bounds()
-            # From what this process wrote and confirmed (the server skips transactions committed before it): a
-            # stream restarted in the process does not repeat a batch whose confirmation the server had not taken.
-            cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS,
-                                  start_lsn=self.confirmed_lsn)
-            log.info("streaming slot %s from %s", self.slot, lsn_text(self.confirmed_lsn))
+            start = self._start_position(cur)
+            cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS, start_lsn=start)
+            log.info("streaming slot %s from %s", self.slot,
+                     lsn_text(start) if start else "its confirmed position")
             last_feedback = time.monotonic()
             while not stop.is_set():
                 message = cur.read_message()
@@ -1045,6 +1047,26 @@ class WalCapture:
         finally:
             conn.close()
 
+    def _start_position(self, cur: Any) -> int:
+        """Where the next stream starts (on a replication cursor, before ``start_replication``): the position this
+        process confirmed, so a stream restarted in the process does not repeat a batch whose confirmation the
+        server had not taken yet (the server skips the transactions committed before it). 0, the slot's own
+        position, on a first stream, and wherever the server may not be the one this process confirmed on: another
+        system or timeline (a failover to a standby, a restore) or a log not yet past that position, where a
+        start ahead of the server's history would skip its commits without an error."""
+        cur.execute("IDENTIFY_SYSTEM")
+        system_id, timeline, position = cur.fetchone()[:3]
+        server = (str(system_id), int(timeline))
+        known, self._server = self._server, server
+        if not self.confirmed_lsn:
+            return 0
+        if known != server or parse_lsn(str(position)) < self.confirmed_lsn:
+            log.warning("the server is not the one this relay confirmed %s on (system %s, timeline %s, log at %s): "
+                        "streaming from the slot's own position", lsn_text(self.confirmed_lsn), server[0],
+                        server[1], position)
+            return 0
+        return self.confirmed_lsn
+
     def catch_up(self, timeout: float = 30.0) -> int:
         """Stream until everything committed before this call is captured and confirmed, then disconnect;
         return how many changes were written. For tests and tools: the running capture is :meth:`run`."""
@@ -1064,7 +1086,7 @@ class WalCapture:
             self._load_bounds()
             try:
                 cur.start_replication(slot_name=self.slot, decode=False, options=STREAM_OPTIONS,
-                                      start_lsn=self.confirmed_lsn)
+                                      start_lsn=self._start_position(cur))
                 break
             except psycopg2.errors.ObjectInUse:
                 # The previous reader's walsender is still letting the slot go (it exits a moment after its
