@@ -840,6 +840,7 @@ def test_a_column_only_the_view_has_is_read_through_it_and_the_rest_is_the_chang
         c.close()
 
 
+@pytest.mark.postgres
 def test_the_relays_per_batch_statements_run_straight_through_the_driver(walcap: Capture) -> None:
     """The batch's insert and its visibility and type look, once per batch: compiled once and run by psycopg
     (bridge.db.driver), not rendered per call (an expanding IN was: 4 % of the relay's CPU at 8 writers)."""
