@@ -22,6 +22,8 @@ from bridge.core.settings import Settings, WorkerSettings
 from bridge.core.urls import bus_scheme, mask_url
 
 if TYPE_CHECKING:
+    import threading
+
     from prometheus_client import CollectorRegistry
     from sqlalchemy.engine import Connection, Engine
 
@@ -140,8 +142,9 @@ class Components:
                      wake=s.capture.wake, registry=registry,  # type: ignore[arg-type]
                      foreign=s.mapping if s.legacy.foreign else None, depth_of=depth_of)
 
-    def wal_capture(self, engine: Engine, bus: EventBus) -> WalCapture:
-        """The write-ahead-log capture (``[capture] mode = "wal"``), run by the relay of partition 0."""
+    def wal_capture(self, engine: Engine, bus: EventBus, relay: Relay | None = None) -> WalCapture:
+        """The write-ahead-log capture (``[capture] mode = "wal"``), run by the relay of partition 0 (``relay``:
+        it streams while that relay leads, and tells it what it wrote)."""
         from bridge.capture.wal import WalCapture
         from bridge.tasktable.tables import reflect_tables
 
@@ -149,7 +152,25 @@ class Components:
         return WalCapture(engine, reflect_tables(engine, s.mapping), bus,
                           relay_partitions=s.capture.relay_partitions,
                           foreign=s.mapping if s.legacy.foreign else None,
-                          hold_quiet=s.relay.idle_probe_interval)
+                          hold_quiet=s.relay.idle_probe_interval,
+                          leading=relay.leading if relay is not None else None,
+                          on_flush=relay.note_captured if relay is not None else None)
+
+    def log_stream(self, engine: Engine, bus: EventBus, relay: Relay,
+                   ran: list[WalCapture]) -> Callable[[threading.Event], object] | None:
+        """Beside the relay of partition 0 on PostgreSQL, while the write-ahead log's capture is configured or
+        installed: the loop (run it in a thread of its own until ``stop``) that streams the log while that
+        relay leads (``relay run`` and ``run-all``); ``ran`` collects the captures it ran, as they start (for
+        their counts). None where there is none to run: a relay that captures by trigger so adds no look of its
+        own to its idle cost; after a switch to the log, the relay's next start streams it."""
+        from bridge.app import install
+        from bridge.capture.wal import stream_when_installed
+
+        if relay.partition != 0 or engine.dialect.name != "postgresql" or not (
+                self.settings.capture.mode == "wal" or install.wal_installed(engine)):
+            return None
+        return partial(stream_when_installed, engine, lambda: self.wal_capture(engine, bus, relay), ran=ran,
+                       leading=relay.leading)
 
     def scheduler(self, engine: Engine, tables: TaskTable, bus: EventBus, router: EventRouter, *,
                   registry: CollectorRegistry | None = None) -> EventScheduler:

@@ -24,6 +24,7 @@ from sqlalchemy.engine import Engine
 
 from bridge.app.components import Components
 from bridge.bus.base import EventBus
+from bridge.capture.wal import WalCapture
 from bridge.core.phases import EventRouter, FixedRouter
 from bridge.core.settings import Settings
 from bridge.db.engine import StatementCounter, check_connection
@@ -93,7 +94,11 @@ class Stack:
                                if self.options.scheduler_phase else self.router)
 
         relay_engine = self._engine("relay")
-        self.relay = c.relay(relay_engine, self._bus(relay_engine), registry=self.registry)
+        relay_bus = self._bus(relay_engine)
+        self.relay = c.relay(relay_engine, relay_bus, registry=self.registry)
+        #: The write-ahead log's captures this stack ran (PostgreSQL, ``[capture] mode = "wal"``).
+        self.log_captures: list[WalCapture] = []
+        log_stream = c.log_stream(relay_engine, relay_bus, self.relay, self.log_captures)
         sched_engine = self._engine("scheduler")
         self.scheduler = c.scheduler(sched_engine, tables, self._bus(sched_engine), router, registry=self.registry)
         self.router.on_event_share_growth(self.scheduler.request_catch_up)
@@ -103,6 +108,8 @@ class Stack:
         self.guardian = c.guardian(guardian_engine, bus=self._bus(guardian_engine), registry=self.registry)
 
         self._spawn("relay", self.relay.run)
+        if log_stream is not None:  # streams while the relay leads partition 0
+            self._spawn("wal", log_stream)
         self._spawn("scheduler", self.scheduler.run)
         self._spawn("guardian", self.guardian.run)
         self.runner = PollerRunner(self.poller, self.options.poll_interval or s.poller.interval,
@@ -114,7 +121,7 @@ class Stack:
             self.workers.start()
         return self
 
-    def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
+    def _spawn(self, name: str, target: Callable[[threading.Event], object]) -> None:
         def supervise() -> None:
             while not self._stop.is_set():
                 try:

@@ -43,7 +43,7 @@ from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import Backlog, read_backlog
 from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, REASSERT_ARMED_SQL, RelayQueries
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
-from bridge.capture.triggers import NOTIFY_CHANNEL, is_quiet, quiet_statuses
+from bridge.capture.triggers import CAPTURE_CHANGED, NOTIFY_CHANNEL, installed_triggers, is_quiet, quiet_statuses
 from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
 from bridge.core.events import TASK_CHANGES, CloudEvent, EventFormatError, change_event_type, encoded_event
@@ -208,6 +208,14 @@ class Relay:
         #: The bus's epochs as last stored, per bus partition (None: not read yet).
         self._epochs: dict[int, str] | None = None
         self._armed = False
+        #: Set while this relay holds its partition. The write-ahead log's stream of partition 0 runs only then
+        #: (:func:`bridge.capture.wal.stream_when_installed`): one process does the partition's whole work.
+        self.leading = threading.Event()
+        #: PostgreSQL: whether capture triggers are installed, as read when the listener (re)connected and at each
+        #: notification that capture changed (None: not read yet, taken as yes). Without them (the write-ahead
+        #: log captures) a row reaches the outbox unpublished only with a notification (a review release) or by
+        #: this relay's own hand (a bus-loss requeue): the listening relay then has no timer probe at all.
+        self._triggers: bool | None = None
         #: ``adaptive``: the first transaction id not started when the relay last armed, until every
         #: transaction before it has ended (:meth:`_idle_listening`).
         self._horizon: str | None = None
@@ -330,6 +338,13 @@ class Relay:
         if self._changes is not None:  # before the look: a commit during it moves the generation
             self._seen = self._changes.generation
         return finds_a_row(self._reader, self.queries.peek)
+
+    def note_captured(self, rows: int) -> None:
+        """The write-ahead log's capture committed ``rows`` outbox rows, published (called from its stream's
+        thread, in this process): their purge is due once they pass the retention window, as for rows this
+        relay published itself."""
+        if rows and self._purge_due is None:
+            self._purge_due = time.monotonic() + self.settings.retention
 
     # --- housekeeping -------------------------------------------------------------------------------
     def probe(self) -> int:
@@ -491,6 +506,10 @@ class Relay:
                         was = leader
                         leader = self.leadership.try_acquire()
                         self.metrics.leader.labels(**self._labels).set(1 if leader else 0)
+                        if leader:
+                            self.leading.set()
+                        else:
+                            self.leading.clear()
                         # A lease row (SQLite in memory) must be renewed well within its timeout, and a lock
                         # file's time (a SQLite file) touched as often, for the checks; the advisory lock lives
                         # with its connection, and checking that connection once per timeout is enough.
@@ -570,9 +589,11 @@ class Relay:
                                 _masked(str(exc), self.engine), pause)
                     leader = False if self.pg else leader
                     if self.pg:
+                        self.leading.clear()
                         self.leadership.release()
                     stop.wait(pause)
         finally:
+            self.leading.clear()
             waiter.close()
             with contextlib.suppress(Exception):  # best effort on the way out
                 self._set_armed(False)
@@ -669,6 +690,8 @@ class Relay:
             self._arm()
             fresh = True
         if fresh:  # what committed before the LISTEN (or the flag) is read by the next cycle's claim
+            if self.pg:  # and a change of capture while it did not listen
+                self._read_capture()
             return
         if self._horizon is not None:
             # A writer that read the flag down may still commit without a notification: look again soon, then
@@ -679,9 +702,35 @@ class Relay:
                 self._horizon = None
             self.metrics.wakeups.labels(cause="notify" if woken else "timer").inc()
             return
-        if self._probe_at is None:
-            self._probe_at = now + s.idle_probe_interval
-        self._after_wait(waiter.wait(max(0.0, min(self._probe_at, until) - time.monotonic())))
+        if self._triggers is False:
+            # The log captures: nothing to probe for (see _triggers); the listener's connection is watched by its
+            # TCP keepalives, and one lost is a fresh LISTEN followed by a claim.
+            self._probe_at = None
+            woken = waiter.wait(max(0.0, until - time.monotonic()))
+        else:
+            if self._probe_at is None:
+                self._probe_at = now + s.idle_probe_interval
+            woken = waiter.wait(max(0.0, min(self._probe_at, until) - time.monotonic()))
+        if CAPTURE_CHANGED in waiter.payloads:
+            self._read_capture()
+            if self._triggers and self.wake == "adaptive" and self._armed and self._flag_was_down():
+                # Unread while the log captured (no timer probe): a relay that left meanwhile may have lowered it.
+                log.warning("relay partition %d: its NOTIFY flag was down; raised again", self.partition)
+                self._armed = False
+                self._arm()
+        self._after_wait(woken)
+
+    def _read_capture(self) -> None:
+        """Whether capture triggers are installed (see ``_triggers``): at each notification that capture changed
+        (``capture switch``, ``init``: :func:`bridge.capture.triggers.install_capture` and
+        :func:`bridge.capture.triggers.remove_capture` send it) and when the listener (re)connects."""
+        with self._begin() as conn:
+            triggers = bool(installed_triggers(conn))
+        if triggers != self._triggers and self._triggers is not None:
+            log.info("relay partition %d: capture is now %s", self.partition,
+                     "by trigger (an idle probe every relay.idle_probe_interval)" if triggers
+                     else "from the write-ahead log (no idle probe)")
+        self._triggers = triggers
 
     def _arm(self) -> None:
         """Raise the trigger's flag and note the arming horizon: until every transaction that could have read

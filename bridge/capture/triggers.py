@@ -61,6 +61,8 @@ from bridge.db.sqlblocks import render, sql_literal
 from bridge.tasktable.tables import TaskTable
 
 NOTIFY_CHANNEL = OUTBOX_CHANNEL
+#: The payload of the notification that capture triggers were installed or removed (the relays read which).
+CAPTURE_CHANGED = "capture"
 TRIGGER_NAMES = ("pollbridge_capture_insert", "pollbridge_capture_update")
 FUNCTION_NAME = "pollbridge_capture"
 #: The columns the update trigger compares, in the order their change kinds take precedence.
@@ -508,6 +510,7 @@ def install_capture(conn: Connection, tt: TaskTable, *, wake: WakeMode = "adapti
             conn.exec_driver_sql(render("postgresql", "revoke_function", function=function))
         conn.exec_driver_sql(render("postgresql", "comment_function", function=values["function"],
                                     comment=sql_literal(comment)))
+        conn.exec_driver_sql(render("postgresql", "notify_capture_changed"))
 
 
 def installed_triggers(conn: Connection) -> list[tuple[str, str]]:
@@ -531,6 +534,8 @@ def remove_capture(conn: Connection) -> list[str]:
         # Wherever an install put it (an older one: the current schema of its connection).
         for function in conn.exec_driver_sql(render(dialect, "list_functions")).scalars().all():
             conn.exec_driver_sql(render(dialect, "drop_function", function=str(function)))
+        if dropped:  # an install that follows in the transaction notifies again: one notification at the commit
+            conn.exec_driver_sql(render(dialect, "notify_capture_changed"))
     return dropped
 
 

@@ -461,8 +461,14 @@ class WalCapture:
 
     def __init__(self, engine: Engine, tables: TaskTable, bus: EventBus, *, relay_partitions: int = 1,
                  foreign: TaskTableMapping | None = None, batch_rows: int = BATCH_ROWS,
-                 hold_quiet: float = HOLD_QUIET) -> None:
+                 hold_quiet: float = HOLD_QUIET, leading: threading.Event | None = None,
+                 on_flush: Callable[[int], None] | None = None) -> None:
         self.engine = engine
+        #: Set while the relay this capture runs for holds partition 0 (None: always): the stream ends when it
+        #: is cleared, so one process does the partition's whole work (see :func:`stream_when_installed`).
+        self.leading = leading
+        #: Told how many rows each committed batch wrote (the relay schedules its purge of them by it).
+        self.on_flush = on_flush
         #: How long the stream keeps a batch of quiet changes only (:meth:`_holds`); 0: never.
         self.hold_quiet = hold_quiet
         self._quiet = frozenset(quiet_statuses(tables.statuses))
@@ -778,6 +784,8 @@ class WalCapture:
         self.pending = _Pending(end_lsn=end_lsn)
         self.confirmed_lsn = max(self.confirmed_lsn, end_lsn)
         self.captured += len(rows)
+        if rows and self.on_flush is not None:
+            self.on_flush(len(rows))
         return len(rows)
 
     def _through_view(self, conn: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -932,9 +940,12 @@ class WalCapture:
         finally:
             self.close()
 
+    def _leads(self) -> bool:
+        return self.leading is None or self.leading.is_set()
+
     def _run(self, stop: threading.Event) -> None:
         backoff = Backoff(first=0.5, cap=10.0)
-        while not stop.is_set():
+        while not stop.is_set() and self._leads():
             try:
                 self._stream(stop)
                 backoff.reset()
@@ -1024,7 +1035,7 @@ class WalCapture:
             log.info("streaming slot %s from %s", self.slot,
                      lsn_text(start) if start else "its confirmed position")
             last_feedback = time.monotonic()
-            while not stop.is_set():
+            while not stop.is_set() and self._leads():
                 message = cur.read_message()
                 if message is not None:
                     self.handle(message.payload)
@@ -1156,15 +1167,24 @@ class WalCapture:
 
 
 def stream_when_installed(engine: Engine, make: Callable[[], WalCapture], stop: threading.Event,
-                          check_every: float = 5.0, ran: list[WalCapture] | None = None) -> list[WalCapture]:
+                          check_every: float = 5.0, ran: list[WalCapture] | None = None,
+                          leading: threading.Event | None = None) -> list[WalCapture]:
     """The relay's loop for the write-ahead log: stream while the WAL capture is installed (its publication
     exists: ``init`` or ``capture switch`` put it there), look again every ``check_every`` seconds while it is
     not (the relay runs it only where the log's capture is configured or installed). ``make`` builds the
-    capture (reading the
-    mapping) only once it is needed. ``ran`` (returned) collects the captures it ran, as they start (for their
-    counts)."""
+    capture (reading the mapping) only once it is needed. ``ran`` (returned) collects the captures it ran, as
+    they start (for their counts).
+
+    ``leading``: the relay of partition 0 holds its partition. Only then does this process stream (a standby
+    relay's process asks nothing, not even whether the capture is installed), and the stream ends when the
+    relay loses the partition: the process that publishes partition 0's outbox rows is the one that writes
+    the log's, so it purges them too, and a review release that wakes it is heard where the stream runs.
+    A new capture (a fresh position: the slot's) starts when the partition comes back."""
     ran = [] if ran is None else ran
     while not stop.is_set():
+        if leading is not None and not leading.is_set():
+            leading.wait(0.5)  # a short slice: a stop request is honoured promptly
+            continue
         try:
             with engine.connect() as conn:
                 installed = publication_exists(conn)

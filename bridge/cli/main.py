@@ -506,8 +506,6 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
     """Publish captured changes to the bus until SIGTERM or Ctrl-C."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from bridge.app import install
-
     components = components_of(ctx)
     settings = components.settings
     stop = stop_on_signals()  # first, so a SIGTERM during start-up is a clean stop too
@@ -524,20 +522,11 @@ def relay_run(ctx: click.Context, partition: int, metrics_port: int | None) -> N
         click.echo(f"relay partition {partition} ({relay_.leadership.holder}) on {mask_url(settings.database_url)} "
                    f"-> {mask_url(settings.bus_url)}, wake-up {settings.capture.wake}", err=True)
         streamers: list[Any] = []
-        if partition == 0 and (settings.capture.mode == "wal" or install.wal_installed(engine)):
-            # The relay of partition 0 streams the write-ahead log while its capture is installed (a switch back to
-            # the triggers ends the stream; a switch to the log waits for the relay's next start, so a relay that
-            # captures by trigger adds no look of its own to its idle cost). One process reads the slot at a
-            # time; a second one retries.
-            from bridge.capture.wal import stream_when_installed
-
-            opened_bus = bus
-
-            def streaming() -> None:
-                stream_when_installed(engine, lambda: components.wal_capture(engine, opened_bus), stop,
-                                      ran=streamers)
-
-            threading.Thread(target=streaming, name="pollbridge-wal", daemon=True).start()
+        # The relay of partition 0 streams the write-ahead log while its capture is installed and it leads the
+        # partition (one process reads the slot at a time: a standby's waits with its relay).
+        stream = components.log_stream(engine, bus, relay_, streamers)
+        if stream is not None:
+            threading.Thread(target=stream, args=(stop,), name="pollbridge-wal", daemon=True).start()
             if settings.capture.mode == "wal":
                 click.echo(f"streaming the write-ahead log of {settings.mapping.table}", err=True)
         settle_heap()

@@ -40,6 +40,8 @@ class Waiter:
 
     def __init__(self, stop: threading.Event) -> None:
         self.stop = stop
+        #: The payloads of the notifications the last :meth:`wait` received.
+        self.payloads: set[str] = set()
 
     def wait(self, timeout: float) -> bool:
         self.stop.wait(timeout)
@@ -69,6 +71,7 @@ class ListenWaiter(Waiter):
 
     def wait(self, timeout: float) -> bool:
         try:
+            self.payloads = set()
             self.ensure_listening()
             assert self._conn is not None
             woken = False
@@ -76,11 +79,12 @@ class ListenWaiter(Waiter):
             remaining = timeout
             while remaining > 0 and not self.stop.is_set():
                 step = min(remaining, 0.25)
-                for _ in self._conn.notifies(timeout=step, stop_after=1):
+                for notify in self._conn.notifies(timeout=step, stop_after=1):
                     woken = True
+                    self.payloads.add(notify.payload)
                 if woken:
-                    for _ in self._conn.notifies(timeout=0):  # drain the ones that piled up
-                        pass
+                    for notify in self._conn.notifies(timeout=0):  # drain the ones that piled up
+                        self.payloads.add(notify.payload)
                     return True
                 remaining -= step
             return False

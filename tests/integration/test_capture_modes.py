@@ -15,6 +15,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from bridge.capture.queries import widened_xid_sql
 from bridge.capture.triggers import installed_triggers
 from bridge.capture.wal import WalCapture, capture_state, slot_state
 from bridge.core.mapping import TaskTableMapping
-from bridge.core.settings import CaptureSettings
+from bridge.core.settings import CaptureSettings, RelaySettings, Settings
 from bridge.db.engine import create_engine
 from bridge.db.schema import outbox
 from bridge.reconcile.status import gather_status
@@ -921,3 +922,141 @@ def _streamed_by_another(c: Capture, slot: str, pid: int) -> bool:
     with c.engine.connect() as conn:
         now = conn.exec_driver_sql(f"SELECT active_pid FROM pg_replication_slots WHERE slot_name = '{slot}'").scalar()
     return now is not None and int(now) != pid
+
+
+# --- the relay of partition 0 and its stream ----------------------------------------------------------------
+#: Fast housekeeping: a purge looks every 50 ms, rows are kept 0.5 s, an idle probe (with triggers) every 0.3 s.
+RELAY_BESIDE_LOG = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, idle_probe_interval=0.3,
+                                 epoch_check_interval=0.05, lease_timeout=1.0, purge_interval=0.05, retention=0.5)
+
+
+@contextlib.contextmanager
+def relay_beside_log(c: Capture, stop: threading.Event | None = None, *, wait_active: bool = True,
+                     settings: RelaySettings = RELAY_BESIDE_LOG) -> Iterator[tuple[Any, list[WalCapture]]]:
+    """The relay of partition 0 and its write-ahead log's stream, as ``relay run`` wires them (the composition
+    root), each in its thread; stopped (``stop``) on the way out."""
+    from bridge.app.components import Components
+
+    components = Components(Settings(database_url=c.engine.url.render_as_string(hide_password=False),
+                                     capture=CaptureSettings(mode="wal"), relay=settings))
+    relay = components.relay(c.engine, c.bus)
+    ran: list[WalCapture] = []
+    stream = components.log_stream(c.engine, c.bus, relay, ran)
+    assert stream is not None
+    stop = stop or threading.Event()
+    threads = [threading.Thread(target=relay.run, args=(stop,), daemon=True),
+               threading.Thread(target=stream, args=(stop,), daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        if wait_active:
+            wait_for(lambda: slot_active(c), 20.0, what="the slot to be streamed")
+        yield relay, ran
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+
+
+def _outbox_count(c: Capture) -> int:
+    with c.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar_one())
+
+
+@pytest.mark.postgres
+def test_the_rows_the_log_wrote_are_purged_and_the_idle_relay_asks_the_database_nothing(walcap: Capture) -> None:
+    """The relay purges the rows the log's capture wrote once they pass the retention window (it purged only
+    rows it had published itself: with the log capturing, the outbox grew without end, and the bus with it),
+    and then, idle, its loop sends the database no statement at all: no probe, since without capture triggers
+    nothing reaches the outbox unpublished without a notification (issue 19: the stream pushes)."""
+    with relay_beside_log(walcap) as (relay, ran):
+        _new_instance(walcap, "p1", ["a", "b", "c"])
+        wait_for(lambda: sum(w.captured for w in ran) == 3, 20.0, what="the log's three changes written")
+        wait_for(lambda: relay.metrics.value("pollbridge_outbox_purged_total") == 3, 20.0,
+                 what="the log's rows purged after the retention window")
+        assert _outbox_count(walcap) == 0
+        # Settled: past its arming horizon (a start-up cost), nothing left to purge.
+        wait_for(lambda: relay._horizon is None and relay._purge_due is None and relay._triggers is False, 20.0,
+                 what="the relay to settle")
+        statements: list[str] = []
+
+        def seen(conn: object, cursor: object, statement: str, *rest: object) -> None:
+            statements.append(statement)
+
+        sa.event.listen(walcap.engine, "before_cursor_execute", seen)
+        try:
+            # Five idle probe intervals, twenty bus epoch checks and lease checks: none is a statement.
+            threading.Event().wait(1.5)
+        finally:
+            sa.event.remove(walcap.engine, "before_cursor_execute", seen)
+        assert statements == []
+        # Still listening: a review release's notification is claimed at once.
+        with walcap.engine.begin() as conn:
+            conn.execute(outbox.insert().values(
+                event_id=str(uuid.uuid4()), task_id="1", instance_id="p1", workflow_type="orders", task_key="a",
+                change="status", old_status="pending", new_status="pending", trace_id=uuid.uuid4().hex,
+                relay_partition=0, created_at=sa.func.now(), attempt=0))
+            conn.execute(sa.select(sa.func.pg_notify("pollbridge_outbox", "")))
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 1, 5.0,
+                 what="the notified row published")
+
+
+@pytest.mark.postgres
+def test_after_a_switch_back_to_the_triggers_the_idle_relay_probes_again(walcap: Capture) -> None:
+    """The switch's notification tells the relay that triggers are back: it probes when idle again (here a row
+    whose trigger read the NOTIFY flag down, as after a relay lowered it on its way out, is published by the
+    probe) and raises the flag again if it finds it down."""
+    with relay_beside_log(walcap) as (relay, _ran):
+        wait_for(lambda: relay._triggers is False, 20.0, what="the relay to see no triggers")
+        install.switch_capture(walcap.engine, walcap.tables, CaptureSettings(mode="trigger"), bus=walcap.bus,
+                               timeout=30)
+        wait_for(lambda: relay._triggers is True, 10.0, what="the relay to hear of the triggers")
+        with walcap.engine.begin() as conn:  # a departing relay lowered the flag: the next change notifies no one
+            conn.execute(sa.text("UPDATE pollbridge_relay_state SET armed = false"))
+        published = relay.metrics.value("pollbridge_relay_published_total")
+        _new_instance(walcap, "s1", ["a"])
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == published + 1, 10.0,
+                 what="the un-notified change published by the idle probe")
+
+
+@pytest.mark.postgres
+def test_run_all_streams_the_log_when_it_captures(walcap: Capture) -> None:
+    """``run-all`` on PostgreSQL with ``[capture] mode = "wal"`` streams the log beside its relay (it ran the
+    relay alone, and nothing was captured at all)."""
+    from bridge.app.runall import Stack
+
+    stack = Stack(Settings(database_url=walcap.engine.url.render_as_string(hide_password=False),
+                           capture=CaptureSettings(mode="wal"), relay=RELAY_BESIDE_LOG)).start()
+    try:
+        wait_for(lambda: slot_active(walcap), 20.0, what="the slot to be streamed")
+        _new_instance(walcap, "r1", ["a", "b"])
+        wait_for(lambda: sum(w.captured for w in stack.log_captures) >= 2, 20.0, what="the changes captured")
+    finally:
+        stack.stop()
+
+
+@pytest.mark.postgres
+def test_only_the_process_whose_relay_leads_partition_0_streams_the_log(walcap: Capture) -> None:
+    """Two relays of partition 0: the one that leads streams the log (and so purges and hears what it wrote),
+    the standby's process does not even try the slot; when the leader stops, the new leader streams and
+    captures what comes next."""
+    first_stop = threading.Event()
+    keep = replace(RELAY_BESIDE_LOG, retention=3600)  # the rows stay in the outbox to be looked at
+    with relay_beside_log(walcap, first_stop, settings=keep) as (first, first_ran):
+        wait_for(lambda: first.leading.is_set(), 10.0, what="the first relay to lead")
+        with relay_beside_log(walcap, wait_active=False, settings=keep) as (second, second_ran):
+            _new_instance(walcap, "l1", ["a"])
+            wait_for(lambda: sum(w.captured for w in first_ran) == 1, 20.0, what="the leader to capture")
+            assert not second.leading.is_set() and second_ran == []
+            first_stop.set()  # the leader's process stops
+            wait_for(lambda: second.leading.is_set(), 20.0, what="the standby to take over")
+            _new_instance(walcap, "l2", ["a"])
+            # At least once: l1 again too if the first's last confirmation was lost with its connection.
+            wait_for(lambda: "l2" in _outbox_instances(walcap), 30.0, what="the new leader to capture")
+            assert sum(w.captured for w in second_ran) >= 1
+    assert sum(w.captured for w in first_ran) == 1
+
+
+def _outbox_instances(c: Capture) -> set[str]:
+    with c.engine.connect() as conn:
+        return set(conn.execute(sa.select(outbox.c.instance_id)).scalars())

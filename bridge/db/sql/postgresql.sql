@@ -119,6 +119,11 @@ IF EXISTS (SELECT 1 FROM $relay_state WHERE armed) THEN
     PERFORM pg_notify('pollbridge_outbox', '');
   END IF;
 
+-- name: notify_capture_changed
+-- At the commit of an install or removal of the capture triggers: listening relays read again whether they
+-- are there (without them a relay has no idle probe).
+SELECT pg_catalog.pg_notify('pollbridge_outbox', 'capture')
+
 -- name: list_triggers
 SELECT t.tgname AS name, t.tgrelid::regclass::text AS table_name
 FROM pg_trigger t WHERE NOT t.tgisinternal AND left(t.tgname, 19) = 'pollbridge_capture_'
