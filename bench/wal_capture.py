@@ -51,6 +51,7 @@ import sqlalchemy as sa
 
 from bench._paths_common import CLK_TCK
 from bench.capture import _cpu_seconds, _libpq, _maintenance, _scalar, relay_process, run_pgbench, seed
+from bench.capture import _xacts as capture_xacts
 from bench.common import REDIS_URL, delete_namespace, machine, scratch_database, write_json
 from bridge.app import install
 from bridge.capture import wal
@@ -110,8 +111,24 @@ def _drained(url: str, mode: str, timeout: float = 120.0) -> None:
 
 
 def _xacts(url: str) -> int:
-    return int(_scalar(url, "SELECT xact_commit + xact_rollback FROM pg_stat_database "
-                            "WHERE datname = current_database()"))
+    """The scratch database's committed + rolled-back transactions, read from the admin database (the read itself
+    is not one of them)."""
+    return capture_xacts(str(sa.engine.make_url(url).database))
+
+
+def _settled_xacts(url: str, limit: float = 60.0) -> int:
+    """The transaction count once it has not moved for two 2 s looks in a row (at most ``limit`` s): a backend
+    reports its transactions when it next goes idle, and an idle one only after 10 s (PostgreSQL 15), so a start-up
+    reported late fell into the idle window (measured: 36 start-up transactions in a 30 s window after an 8 s
+    settle, counted as 1.2 a second of a relay that then made none)."""
+    deadline = time.monotonic() + limit
+    last, quiet = _xacts(url), 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(2.0)
+        now = _xacts(url)
+        quiet = quiet + 1 if now == last else 0
+        last = now
+    return last
 
 
 def write_path(url: str, script: str, rounds: int, seconds: int, namespace: str,
@@ -217,9 +234,9 @@ def cost_per_change(url: str, rates: list[float], rate_seconds: float, idle_seco
             # relay's start-up must be reported before the first window opens (measured: a 1 s settle
             # counted about 9 start-up transactions a second into a 10 s idle window; 8 s, none).
             time.sleep(SETTLE)
-            before = _xacts(url)
+            before = _settled_xacts(url)
             time.sleep(idle_seconds)
-            out[mode]["idle_per_s"] = round((_xacts(url) - before - 1) / idle_seconds, 2)
+            out[mode]["idle_per_s"] = round((_xacts(url) - before) / idle_seconds, 2)
             for rate in rates:
                 changes = int(rate * rate_seconds)
                 before = _xacts(url)
@@ -233,7 +250,7 @@ def cost_per_change(url: str, rates: list[float], rate_seconds: float, idle_seco
                 # No look at the relay's progress inside the window (each would be a transaction of its own):
                 # it keeps up at these rates; checked after the window is read.
                 time.sleep(SETTLE)
-                spent = _xacts(url) - before - changes - 1
+                spent = _xacts(url) - before - changes
                 _drained(url, mode)
                 out[mode][f"{rate:g}/s"] = round(spent / changes, 2)
                 print(f"{mode:8s} at {rate:g} changes/s: {spent / changes:.2f} transactions per change", flush=True)

@@ -27,6 +27,9 @@ from bridge.db.schema import capture_gaps
 
 #: The one source today: the write-ahead log's replication slot was lost.
 WAL_SLOT = "wal_slot"
+#: ``rederived`` of a gap whose re-derivation is not written yet: recorded before the slot is made again, so that a
+#: failure or a crash between the two is finished at the capture's next start instead of forgotten.
+PENDING = -1
 
 
 @dataclass(frozen=True)
@@ -37,15 +40,37 @@ class CaptureGap:
     rederived: int
     detail: str
 
+    @property
+    def pending(self) -> bool:
+        """The re-derivation is not written yet (:data:`PENDING`)."""
+        return self.rederived == PENDING
+
+    @property
+    def summary(self) -> str:
+        return "re-derivation pending" if self.pending else f"{self.rederived} task(s) re-derived"
+
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "detected_at": self.detected_at.isoformat(), "source": self.source,
-                "rederived": self.rederived, "detail": self.detail}
+                "rederived": None if self.pending else self.rederived, "pending": self.pending,
+                "detail": self.detail}
 
 
 def record_gap_statement(dialect_name: str, source: str, rederived: int, detail: str) -> sa.Insert:
     """A gap detected now (the database clock)."""
     return capture_gaps.insert().values(detected_at=db_now(dialect_name), source=source, rederived=rederived,
                                         detail=detail)
+
+
+def pending_gap(conn: Connection, source: str) -> int | None:
+    """The oldest gap of ``source`` whose re-derivation is not written yet (:data:`PENDING`), by id."""
+    c = capture_gaps.c
+    found = conn.execute(sa.select(sa.func.min(c.id)).where(c.source == source, c.rederived == PENDING)).scalar()
+    return None if found is None else int(found)
+
+
+def close_gap_statement(gap_id: int, rederived: int, detail: str) -> sa.Update:
+    """A pending gap's re-derivation written: how many tasks, and what happened."""
+    return capture_gaps.update().where(capture_gaps.c.id == gap_id).values(rederived=rederived, detail=detail)
 
 
 def gaps_between(conn: Connection, since: datetime, until: datetime) -> list[CaptureGap]:

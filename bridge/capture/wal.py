@@ -58,7 +58,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from bridge.bus.base import EventBus
 from bridge.capture.evidence import record_foreign_dispatches
-from bridge.capture.gaps import WAL_SLOT, record_gap_statement
+from bridge.capture.gaps import PENDING, WAL_SLOT, close_gap_statement, pending_gap, record_gap_statement
 from bridge.capture.pgoutput import (
     UNCHANGED,
     Begin,
@@ -88,8 +88,8 @@ from bridge.core.events import encoded_event
 from bridge.core.mapping import TaskTableMapping
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import discard
+from bridge.db.schema import capture_gaps, outbox
 from bridge.db.schema import capture_state as capture_state_table
-from bridge.db.schema import outbox
 from bridge.tasktable.queries import spawn_depths, type_of_row
 from bridge.tasktable.tables import TaskTable
 
@@ -503,6 +503,8 @@ class WalCapture:
         #: Times the slot was found gone and recreated, and the tasks re-derived then (:meth:`recover_slot`).
         self.gaps = 0
         self.rederived = 0
+        #: While a slot recovery flushes its re-derivation: the statement that closes its gap, in the same transaction.
+        self._closing: sa.Update | None = None
         with engine.connect() as conn:
             self.slot = slot_name(conn)
             base = set(capture_target(conn, tables).c.keys())
@@ -778,6 +780,8 @@ class WalCapture:
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
                     self.bus.publish_in(conn, [encoded_event(*r[:4]) for r in written])
+                    if self._closing is not None:  # a slot recovery's re-derivation: its gap is closed with it
+                        conn.execute(self._closing)
             except BaseException:
                 self.close()
                 raise
@@ -947,6 +951,7 @@ class WalCapture:
         backoff = Backoff(first=0.5, cap=10.0)
         while not stop.is_set() and self._leads():
             try:
+                self._resume_recovery()
                 self._stream(stop)
                 backoff.reset()
             except Exception as exc:  # a lost connection, a server restart, a busy slot: try again
@@ -978,15 +983,45 @@ class WalCapture:
 
     def recover_slot(self) -> int:
         """The slot was dropped or invalidated (the WAL it needed was removed): what changed in between is not
-        in any log any more. Recreate the slot first (changes from now on are streamed), then re-derive the
-        state of every unfinished task from the table, as after a bus loss: each becomes a status change with
-        no old status, published, so the scheduler evaluates its instance again. The gap is counted
+        in any log any more. Record the gap first (pending: :data:`bridge.capture.gaps.PENDING`), recreate the
+        slot (changes from now on are streamed), then re-derive the state of every unfinished task from the
+        table, as after a bus loss: each becomes a status change with no old status, published, so the scheduler
+        evaluates its instance again; the same transaction writes the gap's count. A failure or a crash after
+        the slot is made leaves the gap pending, and the capture's next start finishes it
+        (:meth:`_resume_recovery`) instead of streaming on as if nothing were missing. The gap is counted
         (:attr:`gaps`) and logged. Returns how many tasks were re-derived."""
+        with self.engine.begin() as conn:  # a recovery cut short earlier: its gap, not a second one
+            gap_id = pending_gap(conn, WAL_SLOT)
+            if gap_id is None:
+                gap_id = int(conn.execute(record_gap_statement(
+                    "postgresql", WAL_SLOT, PENDING,
+                    f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
+                    "removed) and is being recreated; the state of the unfinished tasks is being re-derived")
+                    .returning(capture_gaps.c.id)).scalar_one())
+        self._recreate_slot()
+        return self._rederive(gap_id)
+
+    def _recreate_slot(self) -> None:
+        """The slot as a recovery needs it: an invalidated one dropped, a missing one created, a valid one kept."""
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             state = slot_state(conn)
-            if state.exists and not state.active:  # invalidated: drop it to make it again
+            if state.exists and not state.active and state.wal_status == "lost":  # invalidated: drop to make it again
                 conn.exec_driver_sql(f"SELECT pg_catalog.pg_drop_replication_slot('{self.slot}')")
         ensure_slot(self.engine)
+
+    def _resume_recovery(self) -> None:
+        """Before each stream: a slot recovery that a failure or a crash cut short (its gap recorded pending, its
+        re-derivation not written) is finished first; one look at the gaps table per stream started."""
+        with self.engine.connect() as conn:
+            gap_id = pending_gap(conn, WAL_SLOT)
+        if gap_id is not None:
+            log.warning("a recovery of replication slot %s was cut short: finishing it", self.slot)
+            self._recreate_slot()
+            self._rederive(gap_id)
+
+    def _rederive(self, gap_id: int) -> int:
+        """Publish the current state of every unfinished task (the slot made again) and close gap ``gap_id`` with
+        their count, in one transaction."""
         self.confirmed_lsn = 0
         self._seen.clear()
         tt = self.tables
@@ -1007,15 +1042,21 @@ class WalCapture:
                      "attempt": r.attempt if isinstance(r.attempt, int) else None,
                      "depth": r.depth if isinstance(r.depth, int) else None,
                      "created_at": now} for r in conn.execute(q)]
-        self.pending = _Pending(rows=rows, end_lsn=0)
-        self.flush()
+        detail = (f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
+                  f"removed) and was recreated; the state of {len(rows)} unfinished task(s) was re-derived")
+        close = close_gap_statement(gap_id, len(rows), detail)
+        if rows:
+            self.pending = _Pending(rows=rows, end_lsn=0)
+            self._closing = close
+            try:
+                self.flush()
+            finally:
+                self._closing = None
+        else:
+            with self.engine.begin() as conn:
+                conn.execute(close)
         self.gaps += 1
         self.rederived += len(rows)
-        with self.engine.begin() as conn:  # for the reconciler, the gates and the guardian (bridge.capture.gaps)
-            conn.execute(record_gap_statement(
-                "postgresql", WAL_SLOT, len(rows),
-                f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
-                f"removed) and was recreated; the state of {len(rows)} unfinished task(s) was re-derived"))
         log.warning("replication slot %s was gone (dropped, or invalidated when the WAL it needed was removed): "
                     "recreated; changes between its loss and now were not streamed, so the state of %d unfinished "
                     "task(s) was re-derived from the table and published", self.slot, len(rows))

@@ -132,7 +132,7 @@ def gap_detail(gaps: Sequence[CaptureGap]) -> str:
         return "no capture gap in the window"
     first = gaps[0]
     return (f"{len(gaps)} capture gap(s) in the window (the first at {first.detected_at:%Y-%m-%d %H:%M:%S} UTC, "
-            f"{first.source}: {first.rederived} task(s) re-derived): changes were lost and re-derived, so the "
+            f"{first.source}: {first.summary}): changes were lost and re-derived, so the "
             "window is incomplete evidence; judge a window that starts after the last gap")
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
-from bridge.capture.gaps import WAL_SLOT, gaps_between, record_gap_statement
+from bridge.capture.gaps import PENDING, WAL_SLOT, close_gap_statement, gaps_between, pending_gap, record_gap_statement
 from bridge.core.settings import GateSettings, GuardianSettings
 from bridge.db.clock import db_clock
 from bridge.flags.store import FlagStore
@@ -66,3 +66,28 @@ def test_the_guardian_reports_each_gap_once_and_demotes_nothing_for_it(engine: E
     _gap(engine, 9)
     assert [g.rederived for g in guardian.check_once().capture_gaps] == [9]
     assert guardian.value("pollbridge_guardian_capture_gaps_total") == 2
+
+
+def test_a_gap_whose_re_derivation_is_pending_still_refuses_the_window_and_says_so(engine: Engine,
+                                                                                   tables: TaskTable) -> None:
+    """A slot recovery records its gap before it re-derives (pending: a failure in between is finished later):
+    such a gap refuses the window like any other, says its re-derivation is pending, and is closed with its
+    count; the same gap, not a second one."""
+    FlagStore(engine).change("orders", "dual_write", actor="op", reason="shadow")
+    start = db_clock(engine) - timedelta(minutes=5)
+    _gap(engine, PENDING)
+    with engine.connect() as conn:
+        gap_id = pending_gap(conn, WAL_SLOT)
+    assert gap_id is not None
+    report = build_report(engine, tables, start, db_clock(engine) + timedelta(seconds=1), settings=GateSettings(),
+                          types=["orders"])
+    criterion = next(c for c in report.types[0].criteria if c.name == "no_capture_gap")
+    assert not criterion.passed and "re-derivation pending" in criterion.detail
+    doc = report.to_json()["capture_gaps"][0]
+    assert doc["pending"] is True and doc["rederived"] is None
+    with engine.begin() as conn:
+        conn.execute(close_gap_statement(gap_id, 4, "re-derived"))
+    with engine.connect() as conn:
+        assert pending_gap(conn, WAL_SLOT) is None
+        (closed,) = gaps_between(conn, start, db_clock(engine) + timedelta(seconds=1))
+    assert (closed.id, closed.rederived, closed.pending, closed.summary) == (gap_id, 4, False, "4 task(s) re-derived")

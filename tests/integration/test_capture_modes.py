@@ -480,6 +480,44 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap_eac
     assert gap.source == WAL_SLOT and gap.rederived == capture.rederived and slot in gap.detail
 
 
+class _FailsTheFirstRederivation(WalCapture):
+    """Its first write of a re-derived change (a status change into ``queued`` with no old status, which only
+    the re-derivation makes in the test below) fails, as a database or bus outage at that moment would."""
+
+    failed = 0
+
+    def flush(self) -> int:
+        if not self.failed and any((r.get("change"), r.get("old_status"), r.get("new_status"))
+                                   == ("status", None, "queued") for r in self.pending.rows):
+            self.failed += 1
+            raise sa.exc.OperationalError("INSERT", {}, Exception("the database went away"))
+        return super().flush()
+
+
+@pytest.mark.postgres
+def test_a_slot_recovery_cut_short_by_a_failure_is_finished_before_streaming_on(walcap_each: Capture) -> None:
+    """The re-derivation after a lost slot fails once (the slot made again already): the capture must not stream
+    on from the new slot as if nothing were missing. The gap was recorded pending before the slot was made; the
+    next round finishes the re-derivation and closes the gap with its count (before, the change made while the
+    slot was gone was never published, and no gap was recorded)."""
+    ids = _new_instance(walcap_each, "m9", ["open"])
+    walcap_each.rows()  # streamed and confirmed so far
+    t = walcap_each.tables.tasks
+    with streaming(walcap_each, kind=_FailsTheFirstRederivation) as capture:
+        with walcap_each.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            slot = wal.slot_name(conn)
+            wait_for(lambda: _terminate_and_drop(conn, slot), 20.0, what="the slot to be dropped")
+            conn.execute(t.update().where(t.c.id == ids["open"]).values(status="queued"))  # in no log now
+        wait_for(lambda: capture.gaps == 1, 30.0, what="the recovery to be finished")
+        assert isinstance(capture, _FailsTheFirstRederivation) and capture.failed == 1
+    with walcap_each.engine.connect() as conn:
+        rederived = conn.execute(sa.select(outbox.c.task_key).where(
+            outbox.c.instance_id == "m9", outbox.c.new_status == "queued", outbox.c.published_at.is_not(None))).all()
+        (gap,) = gaps_after(conn, 0)
+    assert [r.task_key for r in rederived] == ["open"]
+    assert gap.source == WAL_SLOT and not gap.pending and gap.rederived == 1 and "was re-derived" in gap.detail
+
+
 @pytest.mark.postgres
 def test_switching_capture_while_the_scheduler_writes_loses_and_doubles_nothing(
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
