@@ -231,7 +231,9 @@ class EventBus(ABC):
                      count: int, block: float) -> list[Delivery]:
         """:meth:`ack` then :meth:`read`, as one call: a consumer that drains its partitions acknowledges a
         batch with the request for the next one (one round trip fewer per batch on Redis). The
-        acknowledgements are made before the read waits, whatever it returns."""
+        acknowledgements are made before the call returns, whatever it returns or raises: before the read
+        waits, or (the embedded bus on SQLite, where each is a write transaction) with the take that ends the
+        wait, never later than the ``block`` it waits."""
         self.ack(group, acks)
         return self.read(group, consumer, partitions, count, block)
 

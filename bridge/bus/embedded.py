@@ -315,9 +315,22 @@ class EmbeddedBus(EventBus):
         return self._read(group, consumer, parts, count, block, None)
 
     def _read(self, group: str, consumer: str, parts: list[int], count: int, block: float,
-              took_at: int | None) -> list[Delivery]:
+              took_at: int | None, acks: list[int] | None = None) -> list[Delivery]:
         """:meth:`read`; ``took_at``: the wake-up generation at which the caller's own take just found nothing
-        (its first take is then skipped: nothing was published since)."""
+        (its first take is then skipped: nothing was published since). ``acks`` (SQLite, from
+        :meth:`ack_and_read`): entry ids to acknowledge in the write transaction of the take that ends the wait,
+        or on their own when the wait ends without one, and whatever fails: always before this returns."""
+        if not acks:
+            return self._wait_and_take(group, consumer, parts, count, block, took_at, [])
+        try:
+            return self._wait_and_take(group, consumer, parts, count, block, took_at, acks)
+        finally:
+            if acks:  # not taken with a take: made on their own, as the contract has them made
+                self.ack_ids(group, acks)
+
+    def _wait_and_take(self, group: str, consumer: str, parts: list[int], count: int, block: float,
+                       took_at: int | None, acks: list[int]) -> list[Delivery]:
+        """:meth:`_read`'s loop; ``acks`` is emptied once a take has made them."""
         deadline = time.monotonic() + max(block, 0.0)
         # On SQLite a take is a write transaction, found or not: look first, without the lock.
         known = not self._look_first
@@ -327,7 +340,8 @@ class EmbeddedBus(EventBus):
             skip, took_at = took_at is not None, None
             got: list[Delivery] = []
             if not skip and (known or (self._look_due(key, seen) and self._look(key, seen, group, parts))):
-                got = self._take(group, consumer, parts, count)
+                got = self._take(group, consumer, parts, count, acks)
+                acks.clear()
                 seen = self._generation_at_take(seen)
             if got:
                 self._took(key, seen, len(got), count)
@@ -414,8 +428,15 @@ class EmbeddedBus(EventBus):
             return super().ack_and_read(group, acks, consumer, partitions, count, block)
         parts = self._read_args(group, partitions, count)
         seen = self._wakeup.generation
-        # SQLite: no publish since a take that left room means nothing to take: only the acknowledgements.
-        take = bool(parts) and not self._nothing_since((group, tuple(parts)), seen)
+        # SQLite: no publish since a take that left room means nothing to take now. The acknowledgements wait for
+        # the take that ends the read's wait, in its write transaction, or are made on their own when the wait
+        # ends without one (before this returns, whatever happens): at a trickle every batch's acknowledgements
+        # were a write transaction of their own, BEGIN IMMEDIATE and the DELETE (`bench.cost`, embedded, 2
+        # completions/s). Meanwhile they stay pending: for up to ``block`` (the scheduler's 0.5 s), far below any
+        # visibility timeout after which another consumer would claim them; a crash meanwhile redelivers them.
+        if parts and self._nothing_since((group, tuple(parts)), seen):
+            return self._read(group, consumer, parts, count, block, None, ids)
+        take = bool(parts)
         try:
             with self._bookkeeping.begin() as conn:
                 self._delete_pending(conn, group, ids)
@@ -463,14 +484,13 @@ class EmbeddedBus(EventBus):
               acks: Sequence[int] = ()) -> list[Delivery]:
         """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction
         (on PostgreSQL, once the group's rows are known, one statement: :data:`_PG_TAKE`). ``acks``: entry ids
-        acknowledged in the same transaction (PostgreSQL's one statement only; the caller acknowledges them
-        otherwise)."""
+        acknowledged in the same transaction."""
         key = (group, tuple(parts))
         if self._dialect == "postgresql" and key in self._groups_present:
             return self._take_pg(group, consumer, parts, count, acks)
-        if acks:
-            self.ack_ids(group, list(acks))
         with self._bookkeeping.begin() as conn:
+            if acks:  # in the take's write transaction (one BEGIN, not two)
+                self._delete_pending(conn, group, list(acks))
             return self._take_in(conn, group, consumer, parts, count)
 
     def _take_pg(self, group: str, consumer: str, parts: list[int], count: int,

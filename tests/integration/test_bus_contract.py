@@ -325,7 +325,7 @@ def test_ack_and_read_acknowledges_before_reading_the_next_batch(bus: EventBus) 
 def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twin: Callable[[], EventBus],
                                                               backend: Backend, how: str, via: str) -> None:
     """``publish`` from another bus object; ``raw`` writes the storage directly, as another process would.
-    ``ack_and_read`` blocks the same way, its acknowledgements made before it waits."""
+    ``ack_and_read`` blocks the same way, its acknowledgements made before it returns."""
     bus.ensure_group("g")
     earlier: list[Delivery] = []
     if via == "ack_and_read":

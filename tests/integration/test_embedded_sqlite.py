@@ -4,9 +4,11 @@ its partitions with one UPDATE; the rows are the same."""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from bridge.bus.embedded import EmbeddedBus
@@ -79,6 +81,71 @@ def test_a_take_over_several_partitions_moves_their_offsets_with_one_update(sqli
         more = _event("i-late")
         bus.publish([more])
         assert [d.event.id for d in bus.read("g", "c1", [0, 1, 2, 3], 100, 0.0) if d.event is not None] == [more.id]
+    finally:
+        bus.close()
+        engine.dispose()
+
+
+def _write_transactions(engine: sa.Engine, into: list[str]) -> Any:
+    def seen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        if statement.startswith("BEGIN IMMEDIATE") or statement.lstrip().upper().startswith("DELETE"):
+            into.append(statement.split()[0].upper())
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    return seen
+
+
+def test_acknowledgements_with_nothing_new_ride_with_the_take_that_ends_the_wait(sqlite_url: str) -> None:
+    """A drained consumer acknowledges its batch and waits for the next: the acknowledgements go in the write
+    transaction of the take that a publish during the wait brings (one BEGIN IMMEDIATE, not one for them and
+    one for the take), and are made before the call returns."""
+    engine = create_engine(sqlite_url)
+    bus = EmbeddedBus(engine, partitions=2)
+    publisher = EmbeddedBus(engine, partitions=2)
+    statements: list[str] = []
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event("i-1")])
+        first = bus.read("g", "c", [0, 1], 10, 0.0)
+        assert len(first) == 1 and bus.pending_count("g") == 1
+        late = _event("i-2")
+        timer = threading.Timer(0.3, lambda: publisher.publish([late]))
+        seen = _write_transactions(engine, statements)
+        timer.start()
+        try:
+            got = bus.ack_and_read("g", first, "c", [0, 1], 10, 10.0)
+        finally:
+            sa.event.remove(engine, "before_cursor_execute", seen)
+            timer.join(10)
+        assert [d.event.id for d in got if d.event is not None] == [late.id]
+        assert bus.pending_count("g") == 1  # the new one; the first acknowledged
+        # The publisher's write transaction, then the take's with the acknowledgement's DELETE in it.
+        assert statements == ["BEGIN", "BEGIN", "DELETE"], statements
+    finally:
+        bus.close()
+        publisher.close()
+        engine.dispose()
+
+
+def test_acknowledgements_are_made_when_the_wait_ends_with_nothing_or_the_take_fails(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = create_engine(sqlite_url)
+    bus = EmbeddedBus(engine, partitions=2)
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event("i-1"), _event("i-2")])
+        first, second = bus.read("g", "c", [0, 1], 1, 0.0), bus.read("g", "c", [0, 1], 1, 0.0)
+        assert bus.pending_count("g") == 2
+        assert bus.ack_and_read("g", first, "c", [0, 1], 10, 0.2) == []  # nothing came
+        assert bus.pending_count("g") == 1
+        bus.publish([_event("i-3")])
+
+        def broken(*_args: Any, **_kwargs: Any) -> Any:
+            raise sa.exc.OperationalError("SELECT", {}, Exception("disk I/O error"))
+
+        monkeypatch.setattr(bus, "_take_in", broken)
+        with pytest.raises(sa.exc.OperationalError):
+            bus.ack_and_read("g", second, "c", [0, 1], 10, 1.0)
+        assert bus.pending_count("g") == 0  # acknowledged all the same
     finally:
         bus.close()
         engine.dispose()
