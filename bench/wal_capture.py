@@ -117,10 +117,12 @@ def _xacts(url: str) -> int:
 
 
 def _settled_xacts(url: str, limit: float = 60.0) -> int:
-    """The transaction count once it has not moved for two 2 s looks in a row (at most ``limit`` s): a backend
-    reports its transactions when it next goes idle, and an idle one only after 10 s (PostgreSQL 15), so a start-up
-    reported late fell into the idle window (measured: 36 start-up transactions in a 30 s window after an 8 s
-    settle, counted as 1.2 a second of a relay that then made none)."""
+    """The transaction count once it has not moved for two 2 s looks in a row (at most ``limit`` s), called after
+    the :data:`SETTLE` seconds: a backend reports its transactions when it next goes idle, and an idle one only
+    after 10 s (PostgreSQL 15), so a start-up reported late fell into the idle window (measured: 36 start-up
+    transactions in a 30 s window after an 8 s settle, counted as 1.2 a second of a relay that then made none).
+    8 s and at least 4 s of quiet are past those 10 s; a relay that probes every 5 s leaves such a gap between
+    its probes."""
     deadline = time.monotonic() + limit
     last, quiet = _xacts(url), 0
     while quiet < 2 and time.monotonic() < deadline:

@@ -18,13 +18,13 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import Engine
 
 from bridge.app.components import Components
 from bridge.bus.base import EventBus
-from bridge.capture.wal import WalCapture
 from bridge.core.phases import EventRouter, FixedRouter
 from bridge.core.settings import Settings
 from bridge.db.engine import StatementCounter, check_connection
@@ -33,6 +33,9 @@ from bridge.flags.router import FlagRouter
 from bridge.tasktable.tables import TaskTable, reflect_tables
 from legacy_poller.runner import PollerRunner
 from legacy_poller.workers import WorkerPool
+
+if TYPE_CHECKING:
+    from bridge.capture.wal import WalCapture
 
 log = logging.getLogger(__name__)
 

@@ -242,6 +242,9 @@ class Relay:
         # None: it keeps none, so nothing can be due until it publishes again). An idle relay so does
         # not ask the database every purge_interval whether anything expired.
         self._purge_due: float | None = 0.0
+        #: Set by the write-ahead log's stream (another thread: :meth:`note_captured`) when it wrote rows; the
+        #: relay's own thread turns it into a due purge, so ``_purge_due`` has one writer.
+        self._log_wrote = False
         self._labels = {"partition": str(partition)}
         # The SQL, built once for this partition (bridge.capture.queries); the relay only runs it.
         self.queries = RelayQueries.build(engine.dialect, partition, settings.batch_size)
@@ -342,9 +345,21 @@ class Relay:
     def note_captured(self, rows: int) -> None:
         """The write-ahead log's capture committed ``rows`` outbox rows, published (called from its stream's
         thread, in this process): their purge is due once they pass the retention window, as for rows this
-        relay published itself."""
-        if rows and self._purge_due is None:
-            self._purge_due = time.monotonic() + self.settings.retention
+        relay published itself (the loop schedules it: :meth:`_schedule_log_purge`)."""
+        if rows:
+            self._log_wrote = True
+
+    def _schedule_log_purge(self, now: float) -> None:
+        """In the relay's thread: a purge for what the log's capture wrote since the last look. The log's rows of
+        the other partitions (``capture.relay_partitions`` > 1) are written by the stream beside partition 0's
+        relay, so no relay of theirs hears of them: without capture triggers such a relay looks again one
+        retention window after a purge that left nothing (one statement an hour by default)."""
+        if self._log_wrote:
+            self._log_wrote = False
+            if self._purge_due is None:
+                self._purge_due = now + self.settings.retention
+        elif self._purge_due is None and self._triggers is False and self.partition != 0:
+            self._purge_due = now + self.settings.retention
 
     # --- housekeeping -------------------------------------------------------------------------------
     def probe(self) -> int:
@@ -515,6 +530,9 @@ class Relay:
                         # with its connection, and checking that connection once per timeout is enough.
                         next_heartbeat = now + self.settings.lease_timeout / (1 if self.pg else 2)
                         if leader and not was:
+                            # What the previous leader kept (its own rows, the log's) is purged from now on: a purge
+                            # looks at the next purge time (one statement).
+                            self._purge_due = 0.0
                             if standby_of is not None:
                                 log.info("relay %s: took over partition %d (previously held by %s)",
                                          self.leadership.holder, self.partition, standby_of)
@@ -542,6 +560,7 @@ class Relay:
                             self._set_armed(False)
                         stop.wait(self.settings.epoch_check_interval)
                         continue
+                    self._schedule_log_purge(now)
                     if now >= next_purge:
                         # The bus trim rides on the outbox's purge: its entries are the same publishes. An
                         # entry still unacknowledged at a purge waits for the next one (after the next
@@ -670,6 +689,8 @@ class Relay:
         assert isinstance(waiter, ListenWaiter)
         s = self.settings
         now = time.monotonic()
+        if CAPTURE_CHANGED in waiter.take_payloads():  # heard in any of the waits below, whichever returned
+            self._capture_changed()
         if self.wake == "adaptive":
             busy = self._rate.busy(now, s.notify_max_rate if self._armed else 0.75 * s.notify_max_rate)
             if busy and now - last_rows < s.arm_after:
@@ -711,14 +732,18 @@ class Relay:
             if self._probe_at is None:
                 self._probe_at = now + s.idle_probe_interval
             woken = waiter.wait(max(0.0, min(self._probe_at, until) - time.monotonic()))
-        if CAPTURE_CHANGED in waiter.payloads:
-            self._read_capture()
-            if self._triggers and self.wake == "adaptive" and self._armed and self._flag_was_down():
-                # Unread while the log captured (no timer probe): a relay that left meanwhile may have lowered it.
-                log.warning("relay partition %d: its NOTIFY flag was down; raised again", self.partition)
-                self._armed = False
-                self._arm()
+        if CAPTURE_CHANGED in waiter.take_payloads():
+            self._capture_changed()
         self._after_wait(woken)
+
+    def _capture_changed(self) -> None:
+        """Triggers were installed or removed: read which; with triggers back, make sure the NOTIFY flag is up
+        (unread while the log captured, with no timer probe: a relay that left meanwhile may have lowered it)."""
+        self._read_capture()
+        if self._triggers and self.wake == "adaptive" and self._armed and self._flag_was_down():
+            log.warning("relay partition %d: its NOTIFY flag was down; raised again", self.partition)
+            self._armed = False
+            self._arm()
 
     def _read_capture(self) -> None:
         """Whether capture triggers are installed (see ``_triggers``): at each notification that capture changed

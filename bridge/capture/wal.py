@@ -943,6 +943,10 @@ class WalCapture:
             self._run(stop)
         finally:
             self.close()
+            # A capture that ended (the relay lost its partition, a switch) is kept by its caller for its counts
+            # only: its cache of watched values (up to SEEN_CACHE tasks) goes.
+            self._seen.clear()
+            self._seen_related.clear()
 
     def _leads(self) -> bool:
         return self.leading is None or self.leading.is_set()
@@ -962,9 +966,14 @@ class WalCapture:
                 if _slot_gone(exc):
                     try:
                         self.recover_slot()
-                        continue
                     except Exception as again:  # the database is away too: the next round tries again
                         exc = again
+                    else:
+                        # The new slot keeps every change from its creation, so a pause loses nothing; a growing
+                        # one keeps a slot that is gone again at once (an invalidated one its old walsender still
+                        # held) from recording a gap and re-deriving every task in a loop.
+                        stop.wait(backoff.next())
+                        continue
                 delay = backoff.next()
                 log.warning("write-ahead-log capture stopped (%s); reconnecting in %.1f s", first_line(exc), delay)
                 stop.wait(delay)

@@ -40,8 +40,13 @@ class Waiter:
 
     def __init__(self, stop: threading.Event) -> None:
         self.stop = stop
-        #: The payloads of the notifications the last :meth:`wait` received.
-        self.payloads: set[str] = set()
+        #: The payloads of the notifications received since :meth:`take_payloads` last took them.
+        self._payloads: set[str] = set()
+
+    def take_payloads(self) -> set[str]:
+        """The payloads received since the last call (each wait adds its own; none is lost between calls)."""
+        taken, self._payloads = self._payloads, set()
+        return taken
 
     def wait(self, timeout: float) -> bool:
         self.stop.wait(timeout)
@@ -59,20 +64,25 @@ class ListenWaiter(Waiter):
         self._engine = engine
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self.channel = channel
+        self._fresh = False  # connected since ensure_listening last said so
 
     def ensure_listening(self) -> bool:
         """Connect and LISTEN (before the caller re-reads what the notifications are about, so none is
-        missed in between). True when it (re)connected now: what committed before is the caller's to read."""
+        missed in between). True when it (re)connected since the last call, here or inside a :meth:`wait`:
+        what committed before is the caller's to read."""
+        self._connect_if_needed()
+        fresh, self._fresh = self._fresh, False
+        return fresh
+
+    def _connect_if_needed(self) -> None:
         if self._conn is None or self._conn.closed:
             self._conn = kept_connection(self._engine)
             self._conn.execute(f"LISTEN {self.channel}")
-            return True
-        return False
+            self._fresh = True
 
     def wait(self, timeout: float) -> bool:
         try:
-            self.payloads = set()
-            self.ensure_listening()
+            self._connect_if_needed()
             assert self._conn is not None
             woken = False
             # Short slices so a stop request is honoured promptly.
@@ -81,10 +91,10 @@ class ListenWaiter(Waiter):
                 step = min(remaining, 0.25)
                 for notify in self._conn.notifies(timeout=step, stop_after=1):
                     woken = True
-                    self.payloads.add(notify.payload)
+                    self._payloads.add(notify.payload)
                 if woken:
                     for notify in self._conn.notifies(timeout=0):  # drain the ones that piled up
-                        self.payloads.add(notify.payload)
+                        self._payloads.add(notify.payload)
                     return True
                 remaining -= step
             return False

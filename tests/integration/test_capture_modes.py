@@ -481,14 +481,15 @@ def test_a_lost_slot_is_recreated_and_the_unfinished_tasks_re_derived(walcap_eac
 
 
 class _FailsTheFirstRederivation(WalCapture):
-    """Its first write of a re-derived change (a status change into ``queued`` with no old status, which only
-    the re-derivation makes in the test below) fails, as a database or bus outage at that moment would."""
+    """Its first write of a slot recovery's re-derivation fails, as a database or bus outage at that moment
+    would."""
 
     failed = 0
 
     def flush(self) -> int:
-        if not self.failed and any((r.get("change"), r.get("old_status"), r.get("new_status"))
-                                   == ("status", None, "queued") for r in self.pending.rows):
+        # The re-derivation's flush, which closes its gap (`_closing`); the code before had no such attribute and
+        # never failed here, so the test then fails on `failed`.
+        if not self.failed and getattr(self, "_closing", None) is not None:
             self.failed += 1
             raise sa.exc.OperationalError("INSERT", {}, Exception("the database went away"))
         return super().flush()
@@ -970,20 +971,26 @@ RELAY_BESIDE_LOG = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_i
 
 @contextlib.contextmanager
 def relay_beside_log(c: Capture, stop: threading.Event | None = None, *, wait_active: bool = True,
-                     settings: RelaySettings = RELAY_BESIDE_LOG) -> Iterator[tuple[Any, list[WalCapture]]]:
+                     settings: RelaySettings = RELAY_BESIDE_LOG, relay_partitions: int = 1,
+                     threads: list[threading.Thread] | None = None) -> Iterator[tuple[Any, list[WalCapture]]]:
     """The relay of partition 0 and its write-ahead log's stream, as ``relay run`` wires them (the composition
-    root), each in its thread; stopped (``stop``) on the way out."""
+    root), and the relays of the other partitions, each in its thread (collected in ``threads``); stopped
+    (``stop``) on the way out."""
     from bridge.app.components import Components
 
     components = Components(Settings(database_url=c.engine.url.render_as_string(hide_password=False),
-                                     capture=CaptureSettings(mode="wal"), relay=settings))
+                                     capture=CaptureSettings(mode="wal", relay_partitions=relay_partitions),
+                                     relay=settings))
     relay = components.relay(c.engine, c.bus)
     ran: list[WalCapture] = []
     stream = components.log_stream(c.engine, c.bus, relay, ran)
     assert stream is not None
     stop = stop or threading.Event()
-    threads = [threading.Thread(target=relay.run, args=(stop,), daemon=True),
-               threading.Thread(target=stream, args=(stop,), daemon=True)]
+    threads = threads if threads is not None else []
+    threads += [threading.Thread(target=relay.run, args=(stop,), daemon=True),
+                threading.Thread(target=stream, args=(stop,), daemon=True)]
+    threads += [threading.Thread(target=components.relay(c.engine, c.bus, partition=p).run, args=(stop,), daemon=True)
+                for p in range(1, relay_partitions)]
     for thread in threads:
         thread.start()
     try:
@@ -1080,13 +1087,15 @@ def test_only_the_process_whose_relay_leads_partition_0_streams_the_log(walcap: 
     captures what comes next."""
     first_stop = threading.Event()
     keep = replace(RELAY_BESIDE_LOG, retention=3600)  # the rows stay in the outbox to be looked at
-    with relay_beside_log(walcap, first_stop, settings=keep) as (first, first_ran):
+    first_threads: list[threading.Thread] = []
+    with relay_beside_log(walcap, first_stop, settings=keep, threads=first_threads) as (first, first_ran):
         wait_for(lambda: first.leading.is_set(), 10.0, what="the first relay to lead")
         with relay_beside_log(walcap, wait_active=False, settings=keep) as (second, second_ran):
             _new_instance(walcap, "l1", ["a"])
             wait_for(lambda: sum(w.captured for w in first_ran) == 1, 20.0, what="the leader to capture")
             assert not second.leading.is_set() and second_ran == []
             first_stop.set()  # the leader's process stops
+            wait_for(lambda: not any(t.is_alive() for t in first_threads), 20.0, what="the leader to stop")
             wait_for(lambda: second.leading.is_set(), 20.0, what="the standby to take over")
             _new_instance(walcap, "l2", ["a"])
             # At least once: l1 again too if the first's last confirmation was lost with its connection.
@@ -1098,3 +1107,20 @@ def test_only_the_process_whose_relay_leads_partition_0_streams_the_log(walcap: 
 def _outbox_instances(c: Capture) -> set[str]:
     with c.engine.connect() as conn:
         return set(conn.execute(sa.select(outbox.c.instance_id)).scalars())
+
+
+@pytest.mark.postgres
+def test_every_partitions_relay_purges_the_rows_the_log_wrote_for_it(walcap: Capture) -> None:
+    """With ``capture.relay_partitions`` = 2 the stream beside partition 0's relay writes rows of both partitions;
+    partition 1's relay hears nothing of them, and without capture triggers it looks one retention window after
+    a purge that left nothing (it had stopped purging for good)."""
+    with relay_beside_log(walcap, relay_partitions=2) as (_relay, ran):
+        _new_instance(walcap, "pp", [f"t{i}" for i in range(4)])
+        for n in range(12):
+            _new_instance(walcap, f"pp-{n}", ["a"])
+        wait_for(lambda: sum(w.captured for w in ran) == 16, 20.0, what="the log's changes written")
+        with walcap.engine.connect() as conn:
+            written = dict(conn.execute(sa.select(outbox.c.relay_partition, sa.func.count())
+                                        .group_by(outbox.c.relay_partition)).all())
+        assert set(written) == {0, 1} or _outbox_count(walcap) < 16  # both partitions (unless already purged)
+        wait_for(lambda: _outbox_count(walcap) == 0, 20.0, what="every partition's rows purged")
