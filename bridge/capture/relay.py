@@ -749,9 +749,11 @@ class Relay:
         """Whether capture triggers are installed (see ``_triggers``): at each notification that capture changed
         (``capture switch``, ``init``: :func:`bridge.capture.triggers.install_capture` and
         :func:`bridge.capture.triggers.remove_capture` send it) and when the listener (re)connects."""
+        # Unknown until read, taken as yes (the probe goes on): a read that fails leaves no stale "no triggers".
+        before, self._triggers = self._triggers, None
         with self._begin() as conn:
             triggers = bool(installed_triggers(conn))
-        if triggers != self._triggers and self._triggers is not None:
+        if triggers != before and before is not None:
             log.info("relay partition %d: capture is now %s", self.partition,
                      "by trigger (an idle probe every relay.idle_probe_interval)" if triggers
                      else "from the write-ahead log (no idle probe)")
