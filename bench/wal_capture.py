@@ -22,10 +22,10 @@ Needs ``wal_level = logical`` (``.ci/run`` sets it). One scratch database with t
 
    Before every run: the outbox emptied, ``VACUUM ANALYZE``, ``CHECKPOINT``. Reported per configuration and
    client count: tps of every round, the median, and the change of the median against the baseline's.
-2. **Cost per change.** For each relay mode, a writer updates one task's status at 2, 20 and 200 changes/s
-   for ``--rate-seconds``; the scratch database's ``pg_stat_database`` transactions over the window, minus the
-   writer's own (one per change), divided by the changes: what capture and the relay cost the database per
-   change (the idle transactions of the window included: at 2 changes/s they are most of it). First, the
+2. **Cost per change.** For each relay mode, a writer updates one task's status at 2, 20 and 500 changes/s
+   (issue 19's rates) for ``--rate-seconds``; the scratch database's ``pg_stat_database`` transactions over the
+   window, minus the writer's own (one per change), divided by the changes: what capture and the relay cost the
+   database per change (the idle transactions of the window included: at 2 changes/s they are most of it). First, the
    transactions per second with nothing written (idle).
 3. **Where WAL capture's CPU goes** (``--phases cpu``, not by default): with the relay streaming, 8 pgbench
    clients for ``--seconds`` and the relay's catch-up, ``--rounds`` times; CPU-seconds per 1,000 changes of the
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--rates", default="2,20,200", help="changes per second for the cost per change")
+    parser.add_argument("--rates", default="2,20,500", help="changes per second for the cost per change")
     parser.add_argument("--rate-seconds", type=float, default=10.0)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="1 round of 3 s, 10k rows, short rate runs (CI smoke)")
