@@ -355,6 +355,14 @@ class BackendCpu:
         return round(total, 2)
 
 
+def cpu_totals() -> tuple[int, int]:
+    """The whole machine's CPU ticks so far (``/proc/stat``): ``(busy, total)``, busy being all but idle and
+    iowait; divide by :data:`CLK_TCK` for seconds."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts[:8]) - idle, sum(parts[:8])
+
+
 class MachineLoad:
     """How busy the machine was between :meth:`start` and :meth:`stop`: all CPUs (from ``/proc/stat``), and
     the part of it used by processes that are not this bench, its children or its databases' backends
@@ -365,12 +373,6 @@ class MachineLoad:
         self.t0 = 0.0
         self.busy0 = self.total0 = 0
         self.ours0 = 0.0
-
-    @staticmethod
-    def _cpu_totals() -> tuple[int, int]:
-        parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = parts[3] + parts[4]
-        return sum(parts[:8]) - idle, sum(parts[:8])
 
     def _ours(self) -> float:
         me = os.getpid()
@@ -399,13 +401,13 @@ class MachineLoad:
     def start(self, groups: Sequence[int] = ()) -> None:
         self._groups = set(groups)
         self.t0 = time.perf_counter()
-        self.busy0, self.total0 = self._cpu_totals()
+        self.busy0, self.total0 = cpu_totals()
         self.ours0 = self._ours()
         self.load0 = load_average()
 
     def stop(self) -> dict[str, Any]:
         elapsed = time.perf_counter() - self.t0
-        busy, total = self._cpu_totals()
+        busy, total = cpu_totals()
         cpus = os.cpu_count() or 1
         busy_pct = 100 * cpus * (busy - self.busy0) / max(1, total - self.total0)
         ours_pct = 100 * (self._ours() - self.ours0) / max(elapsed, 1e-9)

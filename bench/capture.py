@@ -74,6 +74,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 import bench.relay
+from bench._paths_common import cpu_totals
 from bench.common import PG_ADMIN_URL, REDIS_URL, db_url, delete_namespace, machine, scratch_database, write_json
 from bench.relay import latency
 from bridge.app import install
@@ -307,17 +308,11 @@ class OtherLoad:
         while not self._stop.wait(self.interval):
             self._sample()
 
-    @staticmethod
-    def _cpu_totals() -> tuple[int, int]:
-        parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = parts[3] + parts[4]
-        return sum(parts[:8]) - idle, sum(parts[:8])
-
     def start(self) -> None:
         self._t0 = time.perf_counter()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         self._boot_ticks0 = int(uptime * self.hz)
-        self._busy0, self._total0 = self._cpu_totals()
+        self._busy0, self._total0 = cpu_totals()
         self._sample()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -329,7 +324,7 @@ class OtherLoad:
         self._sample()
         elapsed = time.perf_counter() - self._t0
         other = sum(self._last[k] - self._first[k] for k, kind in self._kind.items() if kind == "other")
-        busy, total = self._cpu_totals()
+        busy, total = cpu_totals()
         cpus = os.cpu_count() or 1
         return {"other_cpu_pct": round(100 * other / self.hz / elapsed, 1),
                 "machine_busy_pct": round(100 * cpus * (busy - self._busy0) / max(1, total - self._total0), 1)}

@@ -49,7 +49,7 @@ import psycopg
 import redis
 import sqlalchemy as sa
 
-from bench._paths_common import CLK_TCK
+from bench._paths_common import CLK_TCK, cpu_totals
 from bench.capture import _cpu_seconds, _libpq, _maintenance, _scalar, relay_process, run_pgbench, seed
 from bench.capture import _xacts as capture_xacts
 from bench.common import REDIS_URL, delete_namespace, machine, scratch_database, write_json
@@ -183,12 +183,6 @@ def _redis_pid() -> int | None:
     return None
 
 
-def _busy_seconds() -> float:
-    """CPU seconds the whole machine has been busy (``/proc/stat``: all but idle and iowait)."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / CLK_TCK
-
-
 def cpu_split(url: str, script: str, rounds: int, seconds: int, namespace: str) -> dict[str, Any]:
     """Where WAL capture's CPU goes, per 1,000 captured changes, while 8 pgbench clients write: the walsender
     (decoding the log), the relay process (decoding the stream, Python), the relay's database backends (its
@@ -206,10 +200,10 @@ def cpu_split(url: str, script: str, rounds: int, seconds: int, namespace: str) 
             local = {"relay": [proc.pid], "redis": [redis_pid] if redis_pid else []}
             before = {k: _cpu_seconds(v) for k, v in local.items()}
             server = {kind: _server_cpu(url, kind) for kind in ("walsender", "client backend")}
-            busy0 = _busy_seconds()
+            busy0 = cpu_totals()[0]
             result = run_pgbench(url, script, 8, seconds)
             _drained(url, "wal")
-            machine_busy = _busy_seconds() - busy0
+            machine_busy = (cpu_totals()[0] - busy0) / CLK_TCK
             used = {k: _cpu_seconds(v) - before[k] for k, v in local.items()}
             used["walsender"] = _used(server["walsender"], _server_cpu(url, "walsender"))
             used["relay backends"] = _used(server["client backend"], _server_cpu(url, "client backend"))

@@ -320,13 +320,12 @@ class EmbeddedBus(EventBus):
         (its first take is then skipped: nothing was published since). ``acks`` (SQLite, from
         :meth:`ack_and_read`): entry ids to acknowledge in the write transaction of the take that ends the wait,
         or on their own when the wait ends without one, and whatever fails: always before this returns."""
-        if not acks:
-            return self._wait_and_take(group, consumer, parts, count, block, took_at, [])
+        left = list(acks or ())
         try:
-            return self._wait_and_take(group, consumer, parts, count, block, took_at, acks)
+            return self._wait_and_take(group, consumer, parts, count, block, took_at, left)
         finally:
-            if acks:  # not taken with a take: made on their own, as the contract has them made
-                self.ack_ids(group, acks)
+            if left:  # not made with a take: made on their own, as the contract has them made
+                self.ack_ids(group, left)
 
     def _wait_and_take(self, group: str, consumer: str, parts: list[int], count: int, block: float,
                        took_at: int | None, acks: list[int]) -> list[Delivery]:

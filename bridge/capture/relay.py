@@ -689,7 +689,7 @@ class Relay:
         assert isinstance(waiter, ListenWaiter)
         s = self.settings
         now = time.monotonic()
-        if CAPTURE_CHANGED in waiter.take_payloads():  # heard in any of the waits below, whichever returned
+        if CAPTURE_CHANGED in waiter.take_payloads():  # heard in any wait since the last call, whichever
             self._capture_changed()
         if self.wake == "adaptive":
             busy = self._rate.busy(now, s.notify_max_rate if self._armed else 0.75 * s.notify_max_rate)
@@ -732,9 +732,7 @@ class Relay:
             if self._probe_at is None:
                 self._probe_at = now + s.idle_probe_interval
             woken = waiter.wait(max(0.0, min(self._probe_at, until) - time.monotonic()))
-        if CAPTURE_CHANGED in waiter.take_payloads():
-            self._capture_changed()
-        self._after_wait(woken)
+        self._after_wait(woken)  # a notification that capture changed is read at the next call's start
 
     def _capture_changed(self) -> None:
         """Triggers were installed or removed: read which; with triggers back, make sure the NOTIFY flag is up

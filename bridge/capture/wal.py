@@ -503,8 +503,6 @@ class WalCapture:
         #: Times the slot was found gone and recreated, and the tasks re-derived then (:meth:`recover_slot`).
         self.gaps = 0
         self.rederived = 0
-        #: While a slot recovery flushes its re-derivation: the statement that closes its gap, in the same transaction.
-        self._closing: sa.Update | None = None
         with engine.connect() as conn:
             self.slot = slot_name(conn)
             base = set(capture_target(conn, tables).c.keys())
@@ -752,9 +750,10 @@ class WalCapture:
         return json.dumps([{**{n: r.get(n) for n in _OUTBOX_FIELDS}, "created_at": r["created_at"].isoformat(),
                             "pb_i": i} for i, r in enumerate(rows)], ensure_ascii=False, separators=(",", ":"))
 
-    def flush(self) -> int:
+    def flush(self, *, closing: sa.Update | None = None) -> int:
         """Write, publish and record the pending changes in one transaction; return how many. The caller
-        confirms :attr:`pending`'s LSN to the server afterwards (:attr:`confirmed_lsn` moves here)."""
+        confirms :attr:`pending`'s LSN to the server afterwards (:attr:`confirmed_lsn` moves here). ``closing``: a
+        slot recovery's statement that closes its gap, run in the same transaction as its re-derived rows."""
         rows, end_lsn = self.pending.rows, self.pending.end_lsn
         if rows:
             # A kept connection: a pool checkout per batch would add the pool's pre-ping, a transaction of its own
@@ -780,8 +779,8 @@ class WalCapture:
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
                     self.bus.publish_in(conn, [encoded_event(*r[:4]) for r in written])
-                    if self._closing is not None:  # a slot recovery's re-derivation: its gap is closed with it
-                        conn.execute(self._closing)
+                    if closing is not None:
+                        conn.execute(closing)
             except BaseException:
                 self.close()
                 raise
@@ -1004,9 +1003,8 @@ class WalCapture:
             if gap_id is None:
                 gap_id = int(conn.execute(record_gap_statement(
                     "postgresql", WAL_SLOT, PENDING,
-                    f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
-                    "removed) and is being recreated; the state of the unfinished tasks is being re-derived")
-                    .returning(capture_gaps.c.id)).scalar_one())
+                    f"{self._slot_gone_text()} and is being recreated; the state of the unfinished tasks is being "
+                    "re-derived").returning(capture_gaps.c.id)).scalar_one())
         self._recreate_slot()
         return self._rederive(gap_id)
 
@@ -1051,25 +1049,25 @@ class WalCapture:
                      "attempt": r.attempt if isinstance(r.attempt, int) else None,
                      "depth": r.depth if isinstance(r.depth, int) else None,
                      "created_at": now} for r in conn.execute(q)]
-        detail = (f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
-                  f"removed) and was recreated; the state of {len(rows)} unfinished task(s) was re-derived")
-        close = close_gap_statement(gap_id, len(rows), detail)
+        close = close_gap_statement(gap_id, len(rows), f"{self._slot_gone_text()} and was recreated; the state of "
+                                                        f"{len(rows)} unfinished task(s) was re-derived")
         if rows:
             self.pending = _Pending(rows=rows, end_lsn=0)
-            self._closing = close
-            try:
-                self.flush()
-            finally:
-                self._closing = None
+            self.flush(closing=close)
         else:
             with self.engine.begin() as conn:
                 conn.execute(close)
         self.gaps += 1
         self.rederived += len(rows)
-        log.warning("replication slot %s was gone (dropped, or invalidated when the WAL it needed was removed): "
-                    "recreated; changes between its loss and now were not streamed, so the state of %d unfinished "
-                    "task(s) was re-derived from the table and published", self.slot, len(rows))
+        log.warning("%s: recreated; changes between its loss and now were not streamed, so the state of %d "
+                    "unfinished task(s) was re-derived from the table and published", self._slot_gone_text(),
+                    len(rows))
         return len(rows)
+
+    def _slot_gone_text(self) -> str:
+        """How a gap's record and the log line name what happened."""
+        return (f"replication slot {self.slot} was gone (dropped, or invalidated when the WAL it needed was "
+                "removed)")
 
     def _stream(self, stop: threading.Event) -> None:
         import psycopg2

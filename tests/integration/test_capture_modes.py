@@ -486,13 +486,13 @@ class _FailsTheFirstRederivation(WalCapture):
 
     failed = 0
 
-    def flush(self) -> int:
-        # The re-derivation's flush, which closes its gap (`_closing`); the code before had no such attribute and
-        # never failed here, so the test then fails on `failed`.
-        if not self.failed and getattr(self, "_closing", None) is not None:
+    def flush(self, *, closing: sa.Update | None = None) -> int:
+        # The re-derivation's flush, the one that closes its gap (`closing`); the code before never passed one, and
+        # the test then fails on `failed`.
+        if not self.failed and closing is not None:
             self.failed += 1
             raise sa.exc.OperationalError("INSERT", {}, Exception("the database went away"))
-        return super().flush()
+        return super().flush(closing=closing)
 
 
 @pytest.mark.postgres
