@@ -14,12 +14,41 @@ from bridge.reference.oracle import percentile
 
 
 @pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal", "bench.cost",
-                                    "bench.backends"])
+                                    "bench.backends", "bench.e2e"])
 def test_help_parses(module: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(module).main(["--help"])
     assert exit_info.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_e2e_plan_puts_approvals_on_tasks_with_a_dependency_and_classifies_what_made_a_task_ready() -> None:
+    from types import SimpleNamespace
+
+    from bench.e2e import _as_time, _kind, build_plan
+
+    plan = build_plan(40, 6, 4.0, 0.5, 7, "p")
+    assert plan == build_plan(40, 6, 4.0, 0.5, 7, "p")  # the same for every configuration
+    assert plan.offsets[:3] == [0.0, 0.25, 0.5]
+    assert 10 <= len(plan.approvals) <= 30
+    for spec in plan.specs:
+        awaiting = [t for t in spec.tasks if t.awaits_signal]
+        if spec.instance_id in plan.approvals:
+            key, at = plan.approvals[spec.instance_id]
+            assert [t.key for t in awaiting] == [key] and awaiting[0].depends_on
+            assert 0.3 <= at - plan.offsets[plan.specs.index(spec)] <= 2.5
+        else:
+            assert not awaiting
+
+    def row(ready: str, due: str | None = None, signal: str | None = None, deps: object = "[]") -> SimpleNamespace:
+        return SimpleNamespace(ready_at=ready, due_at=due, signal_received_at=signal, depends_on=deps)
+
+    t, later = "2026-12-06 10:00:00.000", "2026-12-06 10:00:01.000"
+    assert _kind(row(t, signal=t, due=later, deps='["a"]'), _as_time) == "approval"
+    assert _kind(row(t, due=t, signal=later, deps=["a"]), _as_time) == "timer"
+    assert _kind(row(later, due=t, signal=t, deps=["a"]), _as_time) == "dependency"
+    assert _kind(row(later, deps='["a"]'), _as_time) == "dependency"
+    assert _kind(row(later, due=t), _as_time) == "arrival"
 
 
 def test_scale_is_reachable_from_paths(capsys: pytest.CaptureFixture[str]) -> None:
