@@ -38,12 +38,13 @@ none, every write being a compare-and-set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -57,6 +58,7 @@ from bridge.core.events import new_trace_id
 from bridge.core.phases import EventRouter
 from bridge.core.ratelimit import TypeLimits
 from bridge.core.settings import SchedulerSettings, TypeSettings
+from bridge.db.changes import add_topics
 from bridge.db.clock import as_utc
 from bridge.db.driver import DriverStatement
 from bridge.db.engine import about, autocommit
@@ -227,6 +229,8 @@ class Evaluator:
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._held: OrderedDict[str, bool] = OrderedDict()
         self._types: set[str] = set()  # the workflow types seen in evaluations (see _combined)
+        #: Per thread, while :meth:`sharing` runs: the caller's write transaction and what waits for its commit.
+        self._shared = threading.local()
         # The SQL, built from the mapping once (event_scheduler.queries); the evaluator only runs it.
         self.queries = queries if queries is not None else EvaluatorQueries.build(tables, engine.dialect)
 
@@ -254,6 +258,43 @@ class Evaluator:
             conn.exec_driver_sql(GENERIC_PLANS)
             conn.connection.info[_GENERIC_MARK] = True
         return conn
+
+    @contextlib.contextmanager
+    def sharing(self, conn: Connection) -> Iterator[list[Callable[[], None]]]:
+        """SQLite: this thread's evaluations run inside ``conn``'s open write transaction (the bus's take,
+        :meth:`bridge.bus.base.EventBus.read_handled`): their reads and writes go through it, and what must wait
+        for the commit (metrics, logs) is collected in the list it yields, for the caller to run once the
+        transaction committed. Should it roll back, the caller calls :meth:`forget` for the instances."""
+        after: list[Callable[[], None]] = []
+        self._shared.conn, self._shared.after = conn, after
+        try:
+            yield after
+        finally:
+            self._shared.conn = self._shared.after = None
+
+    def forget(self, instance_ids: Sequence[str]) -> None:
+        """Drop the dispatch counts kept for ``instance_ids`` (read again from the dispatch log when next needed):
+        after a shared transaction rolled back, they may count dispatches that never committed."""
+        with self._lock:
+            for i in instance_ids:
+                self._counts.pop(i, None)
+
+    def _writing(self, engine: Engine, *topics: str) -> contextlib.AbstractContextManager[Connection]:
+        """A write transaction through ``engine`` (its topics: :func:`bridge.db.engine.about`), or, while
+        :meth:`sharing`, the shared one (its topics added)."""
+        shared: Connection | None = getattr(self._shared, "conn", None)
+        if shared is None:
+            return engine.begin()
+        add_topics(shared, *topics)
+        return contextlib.nullcontext(shared)
+
+    def _later(self, effect: Callable[[], None]) -> None:
+        """Run ``effect`` now, or, while :meth:`sharing`, once the shared transaction committed."""
+        after: list[Callable[[], None]] | None = getattr(self._shared, "after", None)
+        if after is None:
+            effect()
+        else:
+            after.append(effect)
 
     def evaluate(self, instance_ids: Sequence[str], trace_ids: dict[str, str | None] | None = None,
                  conn: Connection | None = None, scopes: Mapping[str, Scope | None] | None = None) -> Evaluation:
@@ -350,7 +391,7 @@ class Evaluator:
             if self._pg:
                 result.skipped.extend(skip_many(conn, self.tables, skips))
             else:
-                with self.engine.begin() as wconn:
+                with self._writing(self.engine) as wconn:
                     result.skipped.extend(skip_many(wconn, self.tables, skips))
         if picked:
             with self._lock:  # the instances' counts as the Python path's guards would have read them
@@ -425,19 +466,23 @@ class Evaluator:
             if self._pg:  # one statement (a CTE): atomic without BEGIN/COMMIT, on the caller's connection
                 won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
             else:  # on SQLite a dispatch wakes the workers, not the relay (a dispatch is a quiet change)
-                with self._dispatches.begin() as wconn:
+                with self._writing(self._dispatches, "work") as wconn:
                     won = dispatch_many(wconn, self.tables, to_dispatch, "events", traces)
             self._dispatched(conn, to_dispatch, won, result, now)
         if to_decide:
             if self._pg:
                 decided = self._decide_all(conn, to_decide, traces)
             else:
-                with self.engine.begin() as wconn:
+                with self._writing(self.engine) as wconn:
                     decided = [t for t in to_decide if self._decide(wconn, t, traces[t.instance_id])]
-            for t in decided:  # counted after the commit
-                result.decided.append(t)
-                self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
-                self._observe("shadow", t, now)
+            result.decided.extend(decided)
+
+            def count_decisions() -> None:  # after the commit
+                for t in decided:
+                    self.metrics.decisions.labels(workflow_type=str(t.workflow_type)).inc()
+                    self._observe("shadow", t, now)
+
+            self._later(count_decisions)
 
     def _dispatched(self, conn: Connection, tried: list[ReadyTask], won: list[ReadyTask], result: Evaluation,
                     now: datetime | None = None) -> None:
@@ -453,10 +498,11 @@ class Evaluator:
             if self._pg:
                 conn.execute(self.queries.release_holds, {"ids": released})
             else:
-                with self.engine.begin() as wconn:
+                with self._writing(self.engine) as wconn:
                     wconn.execute(self.queries.release_holds, {"ids": released})
         if len(won) < len(tried):
-            self.metrics.lost_races.inc(len(tried) - len(won))
+            lost_races = len(tried) - len(won)
+            self._later(lambda: self.metrics.lost_races.inc(lost_races))
             # Usually another dispatcher took the task, and the second look finds nothing to do. But the
             # evaluation found it ready and armed no timer for it: if the write's own readiness test
             # failed for another reason (the clock stepped back across a due time), nothing else would
@@ -467,12 +513,15 @@ class Evaluator:
             again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
             for instance_id in sorted({t.instance_id for t in lost if str(t.task_id) in still}):
                 result.timers.append((again, "due", instance_id, ()))
-        per_type: dict[str | None, int] = defaultdict(int)
-        for t in won:
-            per_type[t.workflow_type] += 1
-            self._observe("events", t, now)
-        for workflow_type, n in per_type.items():
-            self.metrics.dispatches.labels(workflow_type=str(workflow_type), path="events").inc(n)
+        def count_dispatches() -> None:  # after the commit
+            per_type: dict[str | None, int] = defaultdict(int)
+            for t in won:
+                per_type[t.workflow_type] += 1
+                self._observe("events", t, now)
+            for workflow_type, n in per_type.items():
+                self.metrics.dispatches.labels(workflow_type=str(workflow_type), path="events").inc(n)
+
+        self._later(count_dispatches)
 
     def _combined(self, ids: list[str], params: dict[str, Any],
                   trace_ids: dict[str, str | None]) -> dict[str, str | None] | None:
@@ -511,8 +560,9 @@ class Evaluator:
         return dict(traces)
 
     def _read(self, conn: Connection, stmt: Any, params: dict[str, Any] | None = None) -> Any:
-        """A read on the caller's connection on PostgreSQL (autocommit), on a read-only one elsewhere."""
-        if self._pg:
+        """A read on the caller's connection on PostgreSQL (autocommit) and while :meth:`sharing` (inside the shared
+        transaction, which may have written), on a read-only one elsewhere."""
+        if self._pg or conn is getattr(self._shared, "conn", None):
             return conn.execute(stmt, params or {})
         with self._single.connect() as rconn:
             return rconn.execute(stmt, params or {}).freeze()()
@@ -556,13 +606,16 @@ class Evaluator:
             queued[t.instance_id] += 1
         if not stops:
             return tasks
-        with self.engine.begin() as wconn:
+        with self._writing(self.engine) as wconn:
             parked = park(wconn, self.tables, stops, self.holder)
-        # Logged and counted after the commit, so the metric never runs ahead of the database.
-        for stop in parked:
-            log.warning("%s guard: task %s (%s) of instance %s parked for review: %s", stop.guard, stop.task_id,
-                        stop.task_key, stop.instance_id, stop.reason)
-            self.metrics.parked.labels(workflow_type=str(stop.workflow_type), guard=stop.guard).inc()
+
+        def count_parked() -> None:  # logged and counted after the commit: the metric never runs ahead of the database
+            for stop in parked:
+                log.warning("%s guard: task %s (%s) of instance %s parked for review: %s", stop.guard, stop.task_id,
+                            stop.task_key, stop.instance_id, stop.reason)
+                self.metrics.parked.labels(workflow_type=str(stop.workflow_type), guard=stop.guard).inc()
+
+        self._later(count_parked)
         by_id = {s.task_id for s in parked}
         result.stopped.extend(t for t in tasks if t.task_id in by_id)
         # A task parked by another process meanwhile, or no longer pending, is simply not dispatched here.
@@ -618,7 +671,7 @@ class Evaluator:
         if self._pg:  # one statement on the caller's connection, as the dispatch (no pool checkout, no BEGIN)
             conn.execute(self.queries.hold, rows).all()
         else:
-            with self.engine.begin() as wconn:
+            with self._writing(self.engine) as wconn:
                 wconn.execute(self.queries.hold, rows).all()
         new: dict[str | None, int] = defaultdict(int)
         with self._lock:
@@ -631,8 +684,11 @@ class Evaluator:
                     self._held.popitem(last=False)
                 result.held_back.append(t)
                 result.timers.append((now + timedelta(seconds=wait), "due", t.instance_id, ()))
-        for workflow_type, n in new.items():
-            self.metrics.held_back.labels(workflow_type=str(workflow_type)).inc(n)
+        def count_held() -> None:  # after the commit
+            for workflow_type, n in new.items():
+                self.metrics.held_back.labels(workflow_type=str(workflow_type)).inc(n)
+
+        self._later(count_held)
 
     def _observe(self, path: str, task: ReadyTask, now: datetime) -> None:
         ready_at = as_utc(task.ready_at)

@@ -19,6 +19,15 @@ The contract, for every implementation:
   oldest first per partition, blocking up to ``block`` seconds when there are none; each returned
   entry becomes *pending* for that consumer until ``ack``. An entry is never delivered by
   ``read`` twice to the same group.
+* **Handling inside the take.** ``read_handled(group, consumer, partitions, count, block, handle, acks)``
+  is ``ack_and_read`` with the caller's handler: where ``handles_in_take(engine)`` (the embedded bus on
+  the SQLite file of ``engine``), ``handle(conn, entries)`` runs inside the take's write transaction, on its
+  connection, and returns the entries it handled; its writes, the take and the acknowledgement of those
+  entries commit together, and they are never pending. The entries it did not return are pending, as a
+  ``read``'s are. It returns the entries and whether ``handle`` ran in the take: ``False`` (any other bus,
+  or a ``handle`` that raised: its writes rolled back with the take, which is then made as ``read`` makes
+  it) leaves every entry pending for the caller to handle and ``ack``. Nothing is lost or taken twice either
+  way.
 * **Redelivery.** ``claim_stale(group, consumer, partitions, min_idle, count)`` hands the caller
   pending entries idle for at least ``min_idle`` seconds (their consumer died), incrementing their
   delivery count. ``ack`` removes entries from pending; acknowledging twice is harmless.
@@ -73,11 +82,11 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from bridge.core.events import CloudEvent
 
@@ -105,6 +114,11 @@ class Delivery:
     event: CloudEvent | None
     deliveries: int = 1
     error: str | None = None
+
+
+#: A consumer's handler run inside a take (:meth:`EventBus.read_handled`): the take's connection and the entries
+#: taken; returns the entries it handled.
+Handler = Callable[[Connection, list[Delivery]], list[Delivery]]
 
 
 @dataclass(frozen=True)
@@ -236,6 +250,17 @@ class EventBus(ABC):
         wait, never later than the ``block`` it waits."""
         self.ack(group, acks)
         return self.read(group, consumer, partitions, count, block)
+
+    def handles_in_take(self, engine: Engine) -> bool:
+        """Whether :meth:`read_handled` runs its handler inside the take, on a connection to ``engine``'s
+        database (see the contract). By default it does not."""
+        return False
+
+    def read_handled(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float,
+                     handle: Handler, acks: Sequence[Delivery] = ()) -> tuple[list[Delivery], bool]:
+        """:meth:`ack_and_read` with ``handle`` run inside the take where the bus can (see the contract). By
+        default: the entries, pending, and ``False`` (the caller handles and acknowledges them)."""
+        return self.ack_and_read(group, acks, consumer, partitions, count, block), False
 
     @abstractmethod
     def claim_stale(self, group: str, consumer: str, partitions: Sequence[int], min_idle: float,

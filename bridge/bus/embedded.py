@@ -72,12 +72,13 @@ from bridge.bus.base import (
     EventBus,
     EventDelivery,
     EventRef,
+    Handler,
     partition_for,
 )
 from bridge.core.errors import first_line
 from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.idle import MAX_IDLE_POLL, idle_poll
-from bridge.db.changes import TopicView, changes_of, mark_about
+from bridge.db.changes import TopicView, changes_of, database_path, mark_about
 from bridge.db.engine import about, autocommit, db_now, discard, quiet, read_only
 from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
@@ -315,20 +316,22 @@ class EmbeddedBus(EventBus):
         return self._read(group, consumer, parts, count, block, None)
 
     def _read(self, group: str, consumer: str, parts: list[int], count: int, block: float,
-              took_at: int | None, acks: list[int] | None = None) -> list[Delivery]:
+              took_at: int | None, acks: list[int] | None = None, handling: _Handling | None = None
+              ) -> list[Delivery]:
         """:meth:`read`; ``took_at``: the wake-up generation at which the caller's own take just found nothing
         (its first take is then skipped: nothing was published since). ``acks`` (SQLite, from
         :meth:`ack_and_read`): entry ids to acknowledge in the write transaction of the take that ends the wait,
-        or on their own when the wait ends without one, and whatever fails: always before this returns."""
+        or on their own when the wait ends without one, and whatever fails: always before this returns.
+        ``handling`` (SQLite, from :meth:`read_handled`): the handler the take runs."""
         left = list(acks or ())
         try:
-            return self._wait_and_take(group, consumer, parts, count, block, took_at, left)
+            return self._wait_and_take(group, consumer, parts, count, block, took_at, left, handling)
         finally:
             if left:  # not made with a take: made on their own, as the contract has them made
                 self.ack_ids(group, left)
 
     def _wait_and_take(self, group: str, consumer: str, parts: list[int], count: int, block: float,
-                       took_at: int | None, acks: list[int]) -> list[Delivery]:
+                       took_at: int | None, acks: list[int], handling: _Handling | None = None) -> list[Delivery]:
         """:meth:`_read`'s loop; ``acks`` is emptied once a take has made them."""
         deadline = time.monotonic() + max(block, 0.0)
         # On SQLite a take is a write transaction, found or not: look first, without the lock.
@@ -339,7 +342,7 @@ class EmbeddedBus(EventBus):
             skip, took_at = took_at is not None, None
             got: list[Delivery] = []
             if not skip and (known or (self._look_due(key, seen) and self._look(key, seen, group, parts))):
-                got = self._take(group, consumer, parts, count, acks)
+                got = self._take(group, consumer, parts, count, acks, handling)
                 acks.clear()
                 seen = self._generation_at_take(seen)
             if got:
@@ -480,10 +483,13 @@ class EmbeddedBus(EventBus):
             self._looked.pop(key, None)
 
     def _take(self, group: str, consumer: str, parts: list[int], count: int,
-              acks: Sequence[int] = ()) -> list[Delivery]:
+              acks: Sequence[int] = (), handling: _Handling | None = None) -> list[Delivery]:
         """Deliver up to ``count`` entries after the offsets: select, mark pending, advance, one transaction
         (on PostgreSQL, once the group's rows are known, one statement: :data:`_PG_TAKE`). ``acks``: entry ids
-        acknowledged in the same transaction."""
+        acknowledged in the same transaction. ``handling`` (SQLite): its handler runs inside the transaction
+        (:meth:`_take_handled`)."""
+        if handling is not None:
+            return self._take_handled(group, consumer, parts, count, acks, handling)
         key = (group, tuple(parts))
         if self._dialect == "postgresql" and key in self._groups_present:
             return self._take_pg(group, consumer, parts, count, acks)
@@ -536,6 +542,14 @@ class EmbeddedBus(EventBus):
 
     def _take_in(self, conn: Connection, group: str, consumer: str, parts: list[int], count: int) -> list[Delivery]:
         """:meth:`_take` inside the caller's write transaction."""
+        rows = self._take_rows(conn, group, parts, count)
+        if not rows:
+            return []
+        self._record_taken(conn, group, consumer, rows, rows)
+        return [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
+
+    def _take_rows(self, conn: Connection, group: str, parts: list[int], count: int) -> list[Any]:
+        """The entries a take delivers (id, partition, payload), read inside the caller's write transaction."""
         key = (group, tuple(parts))
         if self._look_first and key in self._groups_present:
             # SQLite, the group's rows known to exist: the offsets joined in the read, one prebuilt statement
@@ -557,15 +571,77 @@ class EmbeddedBus(EventBus):
             ).all()
         if self._changes is not None:  # holding the write lock (:meth:`_generation_at_take`)
             self._take_generation.value = self._changes.generation
-        if not rows:
-            return []
-        _insert_rows(conn, bus_pending, [{"group_name": group, "entry_id": r.id, "partition": r.partition,
-                                          "consumer": consumer, "deliveries": 1} for r in rows], "delivered_at")
+        return list(rows)
+
+    @staticmethod
+    def _record_taken(conn: Connection, group: str, consumer: str, rows: Sequence[Any], pending: Sequence[Any]
+                      ) -> None:
+        """After :meth:`_take_rows`: ``pending`` (of ``rows``) recorded as pending for ``consumer``, the group's
+        offsets moved past ``rows``."""
+        if pending:
+            _insert_rows(conn, bus_pending, [{"group_name": group, "entry_id": r.id, "partition": r.partition,
+                                              "consumer": consumer, "deliveries": 1} for r in pending],
+                         "delivered_at")
         last: dict[int, int] = {}
         for r in rows:
             last[int(r.partition)] = max(last.get(int(r.partition), 0), int(r.id))
         _advance_offsets(conn, group, last)
-        return [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
+
+    def handles_in_take(self, engine: Engine) -> bool:
+        """On a SQLite file, for ``engine`` on the same file (see :meth:`read_handled`)."""
+        if self._changes is None:
+            return False
+        mine = database_path(self._engine)
+        return mine is not None and mine == database_path(engine)
+
+    def read_handled(self, group: str, consumer: str, partitions: Sequence[int], count: int, block: float,
+                     handle: Handler, acks: Sequence[Delivery] = ()) -> tuple[list[Delivery], bool]:
+        """On a SQLite file the handler runs inside the take's write transaction (the contract): a batch costs one
+        write transaction, its ``BEGIN IMMEDIATE``, the read, ``handle``'s writes and the offsets, where a
+        :meth:`ack_and_read` and a handler with writes of its own cost three (the take with its pending rows,
+        the handler's, the acknowledgements' ``DELETE``, which rode with the next take): `bench.cost`, embedded,
+        2 completions/s, 12.2-13.0 statements per completion. The write lock is held while ``handle`` runs;
+        the event scheduler's evaluation of a batch is a few milliseconds. Elsewhere as :class:`EventBus`."""
+        if self._changes is None:
+            return super().read_handled(group, consumer, partitions, count, block, handle, acks)
+        parts = self._read_args(group, partitions, count)
+        ids = sorted({int(d.entry_id) for d in acks})
+        if not parts:
+            self.ack_ids(group, ids)
+            return [], False
+        handling = _Handling(handle)
+        key = (group, tuple(parts))
+        seen = self._wakeup.generation
+        if not ids or self._nothing_since(key, seen):  # wait (the acknowledgements ride with the take)
+            return self._read(group, consumer, parts, count, block, None, ids, handling), handling.handled
+        got = self._take(group, consumer, parts, count, ids, handling)  # a take that left no room: at once
+        self._took(key, self._generation_at_take(seen), len(got), count)
+        if got:
+            return got, handling.handled
+        return self._read(group, consumer, parts, count, block, None, [], handling), handling.handled
+
+    def _take_handled(self, group: str, consumer: str, parts: list[int], count: int, acks: Sequence[int],
+                      handling: _Handling) -> list[Delivery]:
+        """SQLite: the take with ``handling``'s handler inside its write transaction; the entries the handler did
+        not return recorded as pending. Should the handler (or the commit) fail, everything it wrote is rolled
+        back with the take, and the take is made again as :meth:`read` makes it (every entry pending, for the
+        caller to handle: ``handling.handled`` is False)."""
+        handling.handled = False
+        try:
+            with self._bookkeeping.begin() as conn:
+                if acks:
+                    self._delete_pending(conn, group, list(acks))
+                rows = self._take_rows(conn, group, parts, count)
+                got = [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
+                if rows:
+                    done = {d.entry_id for d in handling.handle(conn, got)}
+                    self._record_taken(conn, group, consumer, rows, [r for r in rows if str(r.id) not in done])
+        except Exception as exc:
+            log.warning("handling %s's batch inside the take failed (%s: %s); taken again, handled apart", group,
+                        type(exc).__name__, first_line(exc))
+            return self._take(group, consumer, parts, count, acks)
+        handling.handled = True
+        return got
 
     def _has_undelivered(self, group: str, parts: list[int]) -> bool:
         """Lock-free peek: is there any entry after the group's offsets (0 where it has none)?"""
@@ -859,6 +935,16 @@ class _Kept:
 
     def __del__(self) -> None:
         self.release()
+
+
+class _Handling:
+    """A handler for :meth:`EmbeddedBus.read_handled`, and whether the last take ran it (committed)."""
+
+    __slots__ = ("handle", "handled")
+
+    def __init__(self, handle: Handler) -> None:
+        self.handle = handle
+        self.handled = False
 
 
 def _group(name: str) -> str:

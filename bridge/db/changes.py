@@ -484,6 +484,17 @@ def mark_about(conn: Any, *topics: str) -> None:
         dbapi_conn.pb_topics = chosen
 
 
+def add_topics(conn: Any, *topics: str) -> None:
+    """Add ``topics`` to what the open transaction of ``conn`` (a SQLAlchemy connection) is about (SQLite; else
+    nothing): a transaction that several writers share (the event scheduler's evaluation inside the bus's take)
+    wakes the waiters of each one's topics. No topic: ``data``, as a write through the plain engine."""
+    chosen = check_topics(topics or ("data",))
+    dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
+    if isinstance(dbapi_conn, NotifyingConnection):
+        had = dbapi_conn.pb_topics
+        dbapi_conn.pb_topics = (frozenset({"data"}) if had is None else had) | chosen
+
+
 _signals: dict[Path, ChangeSignal] = {}
 _signals_lock = threading.Lock()
 

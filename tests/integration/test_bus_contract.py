@@ -320,6 +320,55 @@ def test_ack_and_read_acknowledges_before_reading_the_next_batch(bus: EventBus) 
     assert bus.pending_count("g") == 0
 
 
+def test_read_handled_commits_what_its_handler_handled_or_leaves_every_entry_pending(
+        bus: EventBus, backend: Backend) -> None:
+    """Inside the take (the embedded bus on SQLite), the entries the handler returned are acknowledged with the
+    take and the rest pending; elsewhere, or when the handler raises, every entry is pending for the caller.
+    Nothing is lost or delivered twice by ``read`` either way."""
+    bus.ensure_group("g")
+    bus.publish([_event(f"inst-{i}", i) for i in range(4)])
+    batches: list[list[Delivery]] = []
+
+    def evens(_conn: Any, got: list[Delivery]) -> list[Delivery]:
+        batches.append(list(got))
+        return [d for d in got if d.event is not None and d.event.data["n"] % 2 == 0]
+
+    got: list[Delivery] = []
+    deadline = time.monotonic() + 10
+    inside = False
+    while len(got) < 4:
+        assert time.monotonic() < deadline, f"only {len(got)} of 4 entries delivered"
+        more, inside = bus.read_handled("g", "c", ALL, 10, 0.2, evens)
+        got.extend(more)
+    assert sorted(d.event.data["n"] for d in got if d.event is not None) == [0, 1, 2, 3]
+    engine = getattr(bus, "engine", None)
+    expected = backend.name == "embedded-sqlite"
+    assert (engine is not None and bus.handles_in_take(engine)) is expected
+    assert inside is expected
+    assert bus.read("g", "c", ALL, 10, 0.0) == []  # never delivered twice by a read
+    stale = {d.event.data["n"] for d in bus.claim_stale("g", "c2", ALL, 0.0, 10) if d.event is not None}
+    if expected:
+        assert sorted(d.event.data["n"] for b in batches for d in b if d.event is not None) == [0, 1, 2, 3]
+        assert stale == {1, 3} and bus.pending_count("g") == 2  # the two it did not return
+    else:
+        assert batches == []  # the caller handles them
+        assert stale == {0, 1, 2, 3} and bus.pending_count("g") == 4
+
+    bus.publish([_event("inst-9", 9)])
+
+    def broken(_conn: Any, _got: list[Delivery]) -> list[Delivery]:
+        raise RuntimeError("the handler failed")
+
+    late: list[Delivery] = []
+    deadline = time.monotonic() + 10
+    while not late:
+        assert time.monotonic() < deadline, "the late entry was not delivered"
+        late, inside = bus.read_handled("g", "c", ALL, 10, 0.2, broken, acks=got)
+    assert [d.event.data["n"] for d in late if d.event is not None] == [9] and inside is False
+    assert bus.pending_count("g") == 1  # acknowledged what was given; the late one pending for the caller
+    assert [d.event.data["n"] for d in bus.claim_stale("g", "c3", ALL, 0.0, 10) if d.event is not None] == [9]
+
+
 @pytest.mark.parametrize("via", ["read", "ack_and_read"])
 @pytest.mark.parametrize("how", ["publish", "raw"])
 def test_blocking_read_returns_promptly_when_an_event_arrives(bus: EventBus, twin: Callable[[], EventBus],

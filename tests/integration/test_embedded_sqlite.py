@@ -149,3 +149,52 @@ def test_acknowledgements_are_made_when_the_wait_ends_with_nothing_or_the_take_f
     finally:
         bus.close()
         engine.dispose()
+
+
+def test_a_batch_handled_inside_the_take_is_one_write_transaction_and_a_failed_one_writes_nothing(
+        sqlite_url: str) -> None:
+    """The handler's writes, the take and the acknowledgement of what it handled are one write transaction (one
+    BEGIN IMMEDIATE, no pending row written or deleted); a handler that raises leaves none of its writes, and the
+    batch is taken again as a read takes it."""
+    engine = create_engine(sqlite_url)
+    bus = EmbeddedBus(engine, partitions=2)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE handled (instance TEXT)"))
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        statements.append(" ".join(statement.split()[:3]).upper())
+
+    def note(conn: Any, got: list[Any]) -> list[Any]:
+        conn.execute(sa.text("INSERT INTO handled VALUES (:i)"), [{"i": d.event.partitionkey} for d in got])
+        return list(got)
+
+    def note_then_fail(conn: Any, got: list[Any]) -> list[Any]:
+        note(conn, got)
+        raise RuntimeError("the evaluation failed")
+
+    try:
+        assert bus.handles_in_take(engine)
+        bus.ensure_group("g")
+        bus.read("g", "c", [0, 1], 10, 0.0)  # the group's rows known
+        bus.publish([_event("i-1"), _event("i-2")])
+        sa.event.listen(engine, "before_cursor_execute", seen)
+        got, inside = bus.read_handled("g", "c", [0, 1], 10, 1.0, note)
+        sa.event.remove(engine, "before_cursor_execute", seen)
+        assert inside and len(got) == 2
+        assert [s for s in statements if s.startswith("BEGIN")] == ["BEGIN IMMEDIATE"], statements
+        assert not [s for s in statements if "PENDING" in s], statements  # no pending row written or deleted
+        assert bus.pending_count("g") == 0
+        with engine.connect() as conn:
+            assert sorted(conn.execute(sa.text("SELECT instance FROM handled")).scalars()) == ["i-1", "i-2"]
+
+        bus.publish([_event("i-3")])
+        got, inside = bus.read_handled("g", "c", [0, 1], 10, 1.0, note_then_fail)
+        assert not inside and [d.event.partitionkey for d in got] == ["i-3"]
+        assert bus.pending_count("g") == 1  # for the caller to handle and acknowledge
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM handled WHERE instance = 'i-3'")).scalar() == 0
+        assert bus.read("g", "c", [0, 1], 10, 0.0) == []  # taken once
+    finally:
+        bus.close()
+        engine.dispose()

@@ -438,3 +438,67 @@ def test_a_bus_that_lost_its_data_makes_the_scheduler_catch_up_from_the_database
     lose_bus_data(env.bus_url, bus)
     wait_for(lambda: _paths(env).get("events") == 1, 30, what="the catch-up to dispatch the ready task")
     assert sched.metrics.value("pollbridge_scheduler_bus_resets_total") >= 1
+
+
+@pytest.fixture(params=["sqlite-embedded"])
+def lite(request: pytest.FixtureRequest) -> Iterator[Env]:
+    yield from make_env(request)
+
+
+def test_on_sqlite_a_batch_is_evaluated_and_dispatched_inside_the_bus_take_and_a_failure_is_handled_apart(
+        lite: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite and its embedded bus: the evaluation and the dispatch run inside the take's write transaction, so
+    no pending row is written or acknowledged for a batch; the dispatch is counted after the commit. When the
+    evaluation fails inside the take, nothing it wrote stays, and the batch is handled apart: dispatched once,
+    acknowledged, nothing dead-lettered."""
+    stack = Stack(lite)
+    try:
+        sched = stack.scheduler("cutover", start=False)
+        assert sched._in_take
+        sched.refresh_leases()
+        pending_rows: list[str] = []
+
+        def seen(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+            if "pollbridge_bus_pending" in statement and not statement.lstrip().upper().startswith("SELECT"):
+                pending_rows.append(statement.split()[0])
+
+        real = sched.evaluator.evaluate
+        failures: list[str] = []
+
+        def fails_inside_once(ids: Any, traces: Any = None, conn: Any = None, scopes: Any = None) -> Any:
+            if conn is not None and ids == ["apart"] and not failures:
+                real(ids, traces, conn, scopes)  # its dispatch written in the take's transaction ...
+                failures.append("apart")
+                raise RuntimeError("the evaluation failed")  # ... and rolled back with it
+            return real(ids, traces, conn, scopes)
+
+        monkeypatch.setattr(sched.evaluator, "evaluate", fails_inside_once)
+        stack.relay()
+        sa.event.listen(lite.engine, "before_cursor_execute", seen)
+        try:
+            with lite.engine.begin() as conn:
+                seed(conn, lite.tables, [WorkflowSpec("inside", "orders", (TaskSpec("a"),))])
+            wait_for(lambda: sched.poll_once(block=0.1) >= 0 and _paths(lite).get("events") == 1, 15,
+                     what="the first dispatch")
+            assert pending_rows == []  # taken, handled and acknowledged in one transaction
+            assert sched.metrics.value("pollbridge_scheduler_dispatches_total",
+                                       {"workflow_type": "orders", "path": "events"}) == 1
+
+            with lite.engine.begin() as conn:
+                seed(conn, lite.tables, [WorkflowSpec("apart", "orders", (TaskSpec("a"),))])
+            wait_for(lambda: sched.poll_once(block=0.1) >= 0 and _paths(lite).get("events") == 2, 15,
+                     what="the dispatch handled apart")
+            sched.poll_once(block=0.1)  # its acknowledgement rides with the next take
+        finally:
+            sa.event.remove(lite.engine, "before_cursor_execute", seen)
+        assert failures == ["apart"]
+        assert "INSERT" in pending_rows  # taken again as a read takes it: pending, then acknowledged
+        with lite.engine.connect() as conn:
+            verdict = verify(conn, lite.tables, ["inside", "apart"])
+        assert verdict.dispatches == 2 and verdict.double_dispatched == 0, verdict.problems
+        assert sched.metrics.value("pollbridge_scheduler_dispatches_total",
+                                   {"workflow_type": "orders", "path": "events"}) == 2
+        assert sched.metrics.value("pollbridge_scheduler_dead_letters_total", {"reason": "unparseable"}) == 0
+        assert sched.bus.pending_count(SCHED.group) == 0
+    finally:
+        stack.stop()
