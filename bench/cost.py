@@ -84,7 +84,15 @@ import psycopg
 import sqlalchemy as sa
 
 from bench import _paths_common as pc
-from bench.common import PG_ADMIN_URL, REDIS_URL, command, delete_namespace, scratch_database, write_json
+from bench.common import (
+    PG_ADMIN_URL,
+    REDIS_URL,
+    command,
+    delete_namespace,
+    latency_summary,
+    scratch_database,
+    write_json,
+)
 from bench.paths import Inserter, PathSpec, start_processes
 from bench.scheduler import complete
 from bench.wal_capture import _drained
@@ -470,6 +478,7 @@ def check(setup: Setup, t0: Any, t1: Any) -> dict[str, Any]:
             instances = [str(r[0]) for r in execute(f"SELECT instance_id FROM tasks WHERE task_key = 't0' "
                                                     f"AND {completed_sql}", params)]
             verdict = verify(conn, tables, instances)
+            stages = _stages(execute, dialect, window_sql, params)
             # The ready time the dispatch log records is the upstream's completion (checked, not assumed).
             mismatched = execute(f"SELECT count(*) FROM pollbridge_dispatch_log l JOIN tasks p ON p.instance_id = "
                                  f"l.instance_id AND p.task_key = 't0' WHERE l.task_key = 't1' AND "
@@ -477,9 +486,34 @@ def check(setup: Setup, t0: Any, t1: Any) -> dict[str, Any]:
     finally:
         engine.dispose()
     lat = pc.summary(n, values)
-    return {"latency": lat, "p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"], "chains_completed": len(instances),
+    return {"latency": lat, "p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"], "stages": stages,
+            "chains_completed": len(instances),
             "ready_at_not_completion": int(mismatched),
             "doubled": verdict.double_dispatched, "early": verdict.early, "problems": list(verdict.problems[:5])}
+
+
+#: Where a dispatch's latency went: from the upstream's completion to its captured change's publication (the
+#: completer's commit, the capture, the relay's wake-up and claim: the outbox row's ``published_at``, set by the
+#: claim's statement or by the log's batch), and from there to the dispatch (the bus, the scheduler's wake-up,
+#: its read, evaluation and compare-and-set).
+_STAGES = {
+    "postgresql": ("extract(epoch FROM o.published_at - p.completed_at) * 1000",
+                   "extract(epoch FROM l.dispatched_at - o.published_at) * 1000"),
+    "sqlite": ("(julianday(o.published_at) - julianday(p.completed_at)) * 86400000.0",
+               "(julianday(l.dispatched_at) - julianday(o.published_at)) * 86400000.0"),
+}
+
+
+def _stages(execute: Any, dialect: str, window_sql: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Each stage of :data:`_STAGES` (n, p50, p90, p99, max in ms) over the window's ``t1`` dispatches whose
+    upstream's captured completion is still in the outbox (``relay.retention``: an hour)."""
+    published, dispatched = _STAGES[dialect]
+    rows = execute(f"SELECT {published}, {dispatched} FROM pollbridge_dispatch_log l JOIN tasks p ON "
+                   f"p.instance_id = l.instance_id AND p.task_key = 't0' JOIN pollbridge_outbox o ON "
+                   f"o.task_id = CAST(p.id AS TEXT) AND o.new_status = 'completed' AND o.published_at IS NOT NULL "
+                   f"WHERE l.task_key = 't1' AND {window_sql.replace('ready_at', 'l.ready_at')}", params)
+    return {"completed_to_published": latency_summary([float(r[0]) for r in rows]),
+            "published_to_dispatched": latency_summary([float(r[1]) for r in rows])}
 
 
 # --- the run -------------------------------------------------------------------------------------------
@@ -512,7 +546,9 @@ def run(configs: list[Config], rates: list[float], seconds: float, settle: float
                       f"{_or(r.get('transactions_per_completion'))} transactions and "
                       f"{_or(r['statements_per_completion'])} statements per completion, "
                       f"{_or(r.get('transactions_per_s'))} transactions/s, {r['statements_per_s']} statements/s, "
-                      f"p50 {_or(r['p50_ms'])} ms p99 {_or(r['p99_ms'])} ms (n={r['latency']['n']}), "
+                      f"p50 {_or(r['p50_ms'])} ms p99 {_or(r['p99_ms'])} ms (n={r['latency']['n']}; p50 "
+                      f"{_or(r['stages']['completed_to_published']['p50_ms'])} ms to the publication, "
+                      f"{_or(r['stages']['published_to_dispatched']['p50_ms'])} ms from it to the dispatch), "
                       f"stranded {r['stranded']}, others {r['load']['other_cpu_pct']}% of a core", flush=True)
     return results
 

@@ -493,7 +493,14 @@ class Evaluator:
         with self._lock:
             for t in won:
                 self._remember_count(t.instance_id, self._counts.get(t.instance_id, 0) + 1)
-            released = [str(t.task_id) for t in won if self._held.pop(str(t.task_id), False)]
+            released = [str(t.task_id) for t in won if self._held.get(str(t.task_id), False)]
+
+        def forget_holds() -> None:  # after the commit: rolled back, the holds are still to release
+            with self._lock:
+                for task_id in released:
+                    self._held.pop(task_id, None)
+
+        self._later(forget_holds)
         if released:  # the holds this process kept end with the dispatch (the reconciler's evidence)
             if self._pg:
                 conn.execute(self.queries.release_holds, {"ids": released})
@@ -673,22 +680,24 @@ class Evaluator:
         else:
             with self._writing(self.engine) as wconn:
                 wconn.execute(self.queries.hold, rows).all()
-        new: dict[str | None, int] = defaultdict(int)
-        with self._lock:
-            for t, _, wait in holds:
-                if str(t.task_id) not in self._held:  # counted once per task and hold, not per look
-                    new[t.workflow_type] += 1
-                self._held[str(t.task_id)] = True
-                self._held.move_to_end(str(t.task_id))
-                while len(self._held) > COUNT_CACHE:
-                    self._held.popitem(last=False)
-                result.held_back.append(t)
-                result.timers.append((now + timedelta(seconds=wait), "due", t.instance_id, ()))
-        def count_held() -> None:  # after the commit
+        for t, _, wait in holds:
+            result.held_back.append(t)
+            result.timers.append((now + timedelta(seconds=wait), "due", t.instance_id, ()))
+
+        def note_held() -> None:  # after the commit (a hold rolled back is neither kept nor counted)
+            new: dict[str | None, int] = defaultdict(int)
+            with self._lock:
+                for t, _, _ in holds:
+                    if str(t.task_id) not in self._held:  # counted once per task and hold, not per look
+                        new[t.workflow_type] += 1
+                    self._held[str(t.task_id)] = True
+                    self._held.move_to_end(str(t.task_id))
+                    while len(self._held) > COUNT_CACHE:
+                        self._held.popitem(last=False)
             for workflow_type, n in new.items():
                 self.metrics.held_back.labels(workflow_type=str(workflow_type)).inc(n)
 
-        self._later(count_held)
+        self._later(note_held)
 
     def _observe(self, path: str, task: ReadyTask, now: datetime) -> None:
         ready_at = as_utc(task.ready_at)

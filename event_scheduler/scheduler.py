@@ -138,7 +138,9 @@ class EventScheduler:
         """The handler :meth:`poll_once` gives :meth:`~bridge.bus.base.EventBus.read_handled`: the batch evaluated
         and dispatched on ``conn``, inside the bus's take (its writes commit with the take, or not at all). What
         waits for the commit (timers, remembered ids, metrics) is kept in ``_after`` for :meth:`_poll_inside`."""
-        self._inside = sorted({d.event.partitionkey for d in deliveries if d.event is not None})
+        # Every run's instances (a take may run the handler again after one rolled back): their counts are forgotten
+        # should this one roll back too.
+        self._inside.extend({d.event.partitionkey for d in deliveries if d.event is not None})
         with self.evaluator.sharing(conn) as after:
             done = self._handle(deliveries, conn, after)
         self._after = after
@@ -172,7 +174,10 @@ class EventScheduler:
                      "poison")
                 continue
             if d.event.id in self._recent:
-                self.metrics.duplicates.inc()
+                if after is None:
+                    self.metrics.duplicates.inc()
+                else:
+                    after.append(self.metrics.duplicates.inc)
                 done.append(d)
                 continue
             if not self._may_matter(d.event):
@@ -222,8 +227,8 @@ class EventScheduler:
 
         if after is None:
             settle()
-        else:
-            after.append(settle)
+        else:  # first: the timers and the remembered ids matter more than a metric or a dead letter failing after
+            after.insert(0, settle)
         return done
 
     def _scope(self, event: CloudEvent) -> Scope | None:
@@ -496,10 +501,14 @@ class EventScheduler:
                 return handled
             handled += len(got)
             if inside:
-                for effect in self._after:
-                    effect()
+                for effect in self._after:  # each on its own: the batch is committed whatever one of them does
+                    try:
+                        effect()
+                    except Exception as exc:
+                        log.warning("after a batch handled in the take: %s: %s", type(exc).__name__, first_line(exc))
             else:  # rolled back: counts that may include what did not commit are read again
                 self.evaluator.forget(self._inside)
+                self.metrics.handler_errors.inc()
                 acks = self._handle(got)
             remaining = deadline - time.monotonic()
             if remaining <= 0:  # back to the loop: leases, stale entries, lag

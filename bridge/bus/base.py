@@ -24,10 +24,10 @@ The contract, for every implementation:
   the SQLite file of ``engine``), ``handle(conn, entries)`` runs inside the take's write transaction, on its
   connection, and returns the entries it handled; its writes, the take and the acknowledgement of those
   entries commit together, and they are never pending. The entries it did not return are pending, as a
-  ``read``'s are. It returns the entries and whether ``handle`` ran in the take: ``False`` (any other bus,
-  or a ``handle`` that raised: its writes rolled back with the take, which is then made as ``read`` makes
-  it) leaves every entry pending for the caller to handle and ``ack``. Nothing is lost or taken twice either
-  way.
+  ``read``'s are. It returns the entries and whether they were handled in the take: ``False`` (any other
+  bus, or a ``handle`` that raised: its writes rolled back with the take, which is then made as ``read``
+  makes it) leaves every entry pending for the caller to handle and ``ack``. Nothing is lost or taken twice
+  either way, and ``acks`` are made before it returns or raises, as ``ack_and_read``'s are.
 * **Redelivery.** ``claim_stale(group, consumer, partitions, min_idle, count)`` hands the caller
   pending entries idle for at least ``min_idle`` seconds (their consumer died), incrementing their
   delivery count. ``ack`` removes entries from pending; acknowledging twice is harmless.

@@ -614,7 +614,12 @@ class EmbeddedBus(EventBus):
         seen = self._wakeup.generation
         if not ids or self._nothing_since(key, seen):  # wait (the acknowledgements ride with the take)
             return self._read(group, consumer, parts, count, block, None, ids, handling), handling.handled
-        got = self._take(group, consumer, parts, count, ids, handling)  # a take that left no room: at once
+        try:  # a take that left no room: at once
+            got = self._take(group, consumer, parts, count, ids, handling)
+        except Exception:
+            with contextlib.suppress(Exception):  # made on their own, as the contract has them made
+                self.ack_ids(group, ids)
+            raise
         self._took(key, self._generation_at_take(seen), len(got), count)
         if got:
             return got, handling.handled
@@ -623,10 +628,12 @@ class EmbeddedBus(EventBus):
     def _take_handled(self, group: str, consumer: str, parts: list[int], count: int, acks: Sequence[int],
                       handling: _Handling) -> list[Delivery]:
         """SQLite: the take with ``handling``'s handler inside its write transaction; the entries the handler did
-        not return recorded as pending. Should the handler (or the commit) fail, everything it wrote is rolled
-        back with the take, and the take is made again as :meth:`read` makes it (every entry pending, for the
-        caller to handle: ``handling.handled`` is False)."""
+        not return recorded as pending. Should the handler fail, everything it wrote is rolled back with the take,
+        and the take is made again as :meth:`read` makes it (every entry pending, for the caller to handle:
+        ``handling.handled`` is False). Any other failure (the write lock not had, the commit) is raised, with the
+        acknowledgements not made: the callers make them on their own."""
         handling.handled = False
+        failed: Exception | None = None
         try:
             with self._bookkeeping.begin() as conn:
                 if acks:
@@ -634,9 +641,15 @@ class EmbeddedBus(EventBus):
                 rows = self._take_rows(conn, group, parts, count)
                 got = [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
                 if rows:
-                    done = {d.entry_id for d in handling.handle(conn, got)}
+                    try:
+                        done = {d.entry_id for d in handling.handle(conn, got)}
+                    except Exception as exc:
+                        failed = exc
+                        raise
                     self._record_taken(conn, group, consumer, rows, [r for r in rows if str(r.id) not in done])
         except Exception as exc:
+            if exc is not failed:
+                raise
             log.warning("handling %s's batch inside the take failed (%s: %s); taken again, handled apart", group,
                         type(exc).__name__, first_line(exc))
             return self._take(group, consumer, parts, count, acks)

@@ -198,3 +198,33 @@ def test_a_batch_handled_inside_the_take_is_one_write_transaction_and_a_failed_o
     finally:
         bus.close()
         engine.dispose()
+
+
+def test_read_handled_makes_its_acknowledgements_when_its_take_fails(sqlite_url: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A take made at once (the last one was full) that fails for a reason not the handler's (the write lock
+    not had, a broken database) raises with the acknowledgements made on their own, as ``ack_and_read``'s are."""
+    engine = create_engine(sqlite_url)
+    bus = EmbeddedBus(engine, partitions=2)
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event("i-1"), _event("i-2")])
+        first = bus.read("g", "c", [0, 1], 1, 0.0)  # a full take: the next one is made at once
+        assert len(first) == 1 and bus.pending_count("g") == 1
+        handled: list[Any] = []
+
+        def broken(*_args: Any, **_kwargs: Any) -> Any:
+            raise sa.exc.OperationalError("BEGIN IMMEDIATE", {}, Exception("database is locked"))
+
+        monkeypatch.setattr(bus, "_take_rows", broken)
+        with pytest.raises(sa.exc.OperationalError):
+            bus.read_handled("g", "c", [0, 1], 1, 1.0, lambda _conn, got: handled.extend(got) or list(got),
+                             acks=first)
+        assert handled == []
+        assert bus.pending_count("g") == 0  # the acknowledgement made on its own
+        monkeypatch.undo()
+        got, inside = bus.read_handled("g", "c", [0, 1], 10, 1.0, lambda _conn, got: list(got))
+        assert inside and [d.event.partitionkey for d in got if d.event is not None] == ["i-2"]
+    finally:
+        bus.close()
+        engine.dispose()

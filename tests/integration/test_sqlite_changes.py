@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 
 from bridge.bus.embedded import EmbeddedBus
-from bridge.db.changes import ChangeSignal, TopicView, changes_of
+from bridge.db.changes import ChangeSignal, TopicView, add_topics, changes_of
 from bridge.db.engine import about, create_engine, quiet
 from tests.support import wait_for
 
@@ -362,6 +362,25 @@ def test_a_dispatch_wakes_the_workers_and_not_the_relay(engine: Engine) -> None:
         data_wakes = [commit("data") for _ in range(3)]
     assert all(w for _, w in work_wakes) and sum(r for r, _ in work_wakes) <= 3, work_wakes
     assert all(r and w for r, w in data_wakes), data_wakes
+
+
+def test_a_shared_quiet_transaction_wakes_the_topics_its_writers_added(engine: Engine) -> None:
+    """The bus's take is quiet; the event scheduler's dispatch inside it adds ``work`` (the workers wake, the relay
+    does not), and a data write inside it (a skip, a hold) adds ``data`` (both wake)."""
+    _loud(engine, "setup")
+    relay, workers = _signal(engine, "data"), _signal(engine, "data", "work")
+    seen_relay, seen_workers = relay.generation, workers.generation
+    with quiet(engine).begin() as conn:
+        add_topics(conn, "work")
+        conn.execute(MARKS.insert().values(mark="dispatched in the take"))
+    assert workers.wait(seen_workers, 2.0) != seen_workers
+    assert relay.wait(seen_relay, 0.3) == seen_relay
+    seen_relay = relay.generation
+    with quiet(engine).begin() as conn:
+        add_topics(conn)  # a write through the plain engine (a skip): data, kept when the dispatch adds work
+        add_topics(conn, "work")
+        conn.execute(MARKS.insert().values(mark="dispatched and skipped in the take"))
+    assert relay.wait(seen_relay, 2.0) != seen_relay
 
 
 def test_uninstall_removes_the_topic_journal(sqlite_url: str) -> None:
