@@ -14,7 +14,7 @@ from bridge.reference.oracle import percentile
 
 
 @pytest.mark.parametrize("module", ["bench.paths", "bench.scale", "bench.peers", "bench.minimal", "bench.cost",
-                                    "bench.backends", "bench.e2e"])
+                                    "bench.backends", "bench.e2e", "bench.hops"])
 def test_help_parses(module: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(module).main(["--help"])
