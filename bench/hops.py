@@ -41,8 +41,11 @@ def _listener(channel: str, ready: Any, out: Any, rounds: int) -> None:
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f"LISTEN {channel}")
         ready.set()
-        for note in conn.notifies(timeout=30, stop_after=rounds):
-            out.put((time.perf_counter(), float(note.payload)))
+        got = 0
+        while got < rounds:  # psycopg's timeout bounds one call, not one notification: a call per notification
+            for note in conn.notifies(timeout=30, stop_after=1):
+                out.put((time.perf_counter(), float(note.payload)))
+                got += 1
 
 
 def _reader(stream: str, ready: Any, out: Any, rounds: int) -> None:

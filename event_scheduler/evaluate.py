@@ -494,19 +494,19 @@ class Evaluator:
             for t in won:
                 self._remember_count(t.instance_id, self._counts.get(t.instance_id, 0) + 1)
             released = [str(t.task_id) for t in won if self._held.get(str(t.task_id), False)]
-
-        def forget_holds() -> None:  # after the commit: rolled back, the holds are still to release
-            with self._lock:
-                for task_id in released:
-                    self._held.pop(task_id, None)
-
-        self._later(forget_holds)
         if released:  # the holds this process kept end with the dispatch (the reconciler's evidence)
             if self._pg:
                 conn.execute(self.queries.release_holds, {"ids": released})
             else:
                 with self._writing(self.engine) as wconn:
                     wconn.execute(self.queries.release_holds, {"ids": released})
+
+            def forget_holds() -> None:  # once released (after the commit): a release that failed is tried again
+                with self._lock:
+                    for task_id in released:
+                        self._held.pop(task_id, None)
+
+            self._later(forget_holds)
         if len(won) < len(tried):
             lost_races = len(tried) - len(won)
             self._later(lambda: self.metrics.lost_races.inc(lost_races))

@@ -140,9 +140,14 @@ class EventScheduler:
         waits for the commit (timers, remembered ids, metrics) is kept in ``_after`` for :meth:`_poll_inside`."""
         # Every run's instances (a take may run the handler again after one rolled back): their counts are forgotten
         # should this one roll back too.
-        self._inside.extend({d.event.partitionkey for d in deliveries if d.event is not None})
-        with self.evaluator.sharing(conn) as after:
-            done = self._handle(deliveries, conn, after)
+        instances = {d.event.partitionkey for d in deliveries if d.event is not None}
+        self._inside.extend(instances)
+        try:
+            with self.evaluator.sharing(conn) as after:
+                done = self._handle(deliveries, conn, after)
+        except Exception:  # rolled back with the take, whatever a later run of the same read commits
+            self.evaluator.forget(sorted(instances))
+            raise
         self._after = after
         return done
 

@@ -628,12 +628,14 @@ class EmbeddedBus(EventBus):
     def _take_handled(self, group: str, consumer: str, parts: list[int], count: int, acks: Sequence[int],
                       handling: _Handling) -> list[Delivery]:
         """SQLite: the take with ``handling``'s handler inside its write transaction; the entries the handler did
-        not return recorded as pending. Should the handler fail, everything it wrote is rolled back with the take,
-        and the take is made again as :meth:`read` makes it (every entry pending, for the caller to handle:
-        ``handling.handled`` is False). Any other failure (the write lock not had, the commit) is raised, with the
-        acknowledgements not made: the callers make them on their own."""
+        not return recorded as pending. Should the handler fail, or the transaction once the handler ran (its
+        pending rows, the commit: a deferred constraint its writes broke), everything it wrote is rolled back with
+        the take, and the take is made again as :meth:`read` makes it (every entry pending, for the caller to
+        handle: ``handling.handled`` is False), so a batch that always fails reaches the caller's dead letters. A
+        failure before the handler ran (the write lock not had, the read) is raised, with the acknowledgements not
+        made: the callers make them on their own."""
         handling.handled = False
-        failed: Exception | None = None
+        ran = False
         try:
             with self._bookkeeping.begin() as conn:
                 if acks:
@@ -641,14 +643,11 @@ class EmbeddedBus(EventBus):
                 rows = self._take_rows(conn, group, parts, count)
                 got = [_delivery(r.id, r.partition, r.payload, 1) for r in rows]
                 if rows:
-                    try:
-                        done = {d.entry_id for d in handling.handle(conn, got)}
-                    except Exception as exc:
-                        failed = exc
-                        raise
+                    ran = True
+                    done = {d.entry_id for d in handling.handle(conn, got)}
                     self._record_taken(conn, group, consumer, rows, [r for r in rows if str(r.id) not in done])
         except Exception as exc:
-            if exc is not failed:
+            if not ran:
                 raise
             log.warning("handling %s's batch inside the take failed (%s: %s); taken again, handled apart", group,
                         type(exc).__name__, first_line(exc))

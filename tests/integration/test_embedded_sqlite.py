@@ -228,3 +228,31 @@ def test_read_handled_makes_its_acknowledgements_when_its_take_fails(sqlite_url:
     finally:
         bus.close()
         engine.dispose()
+
+
+def test_a_transaction_that_fails_after_the_handler_ran_is_taken_again_for_the_caller(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure once the handler ran (its pending rows, the commit: a deferred constraint its writes broke) is
+    the batch's, not an outage's: rolled back and taken again as a read takes it, so a batch that always fails
+    reaches the caller's own handling (and its dead letters) instead of failing every take."""
+    engine = create_engine(sqlite_url)
+    bus = EmbeddedBus(engine, partitions=2)
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event("i-1")])
+        real = EmbeddedBus._record_taken
+        calls: list[int] = []
+
+        def fails_once(*args: Any) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise sa.exc.IntegrityError("COMMIT", {}, Exception("FOREIGN KEY constraint failed"))
+            real(*args)
+
+        monkeypatch.setattr(EmbeddedBus, "_record_taken", staticmethod(fails_once))
+        got, inside = bus.read_handled("g", "c", [0, 1], 10, 1.0, lambda _conn, got: list(got))
+        assert not inside and [d.event.partitionkey for d in got if d.event is not None] == ["i-1"]
+        assert bus.pending_count("g") == 1
+    finally:
+        bus.close()
+        engine.dispose()

@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
+from bridge.bus.base import Delivery
 from bridge.capture.relay import Relay
 from bridge.core.phases import FixedRouter, Phase
 from bridge.core.settings import RelaySettings, SchedulerSettings, TypeSettings, WorkerSettings
@@ -500,5 +501,33 @@ def test_on_sqlite_a_batch_is_evaluated_and_dispatched_inside_the_bus_take_and_a
                                    {"workflow_type": "orders", "path": "events"}) == 2
         assert sched.metrics.value("pollbridge_scheduler_dead_letters_total", {"reason": "unparseable"}) == 0
         assert sched.bus.pending_count(SCHED.group) == 0
+    finally:
+        stack.stop()
+
+
+def test_a_handler_run_that_rolled_back_forgets_the_dispatch_counts_it_kept(lite: Env,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the take the evaluator counts its dispatches in memory before the commit; a run that raised (rolled
+    back with the take) forgets them at once, whatever a later run of the same read commits."""
+    from bridge.core.events import CloudEvent
+
+    stack = Stack(lite)
+    try:
+        sched = stack.scheduler("cutover", start=False)
+        with sched.evaluator._lock:
+            sched.evaluator._remember_count("x", 3)
+
+        def counts_then_fails(ids: Any, traces: Any = None, conn: Any = None, scopes: Any = None) -> Any:
+            with sched.evaluator._lock:
+                sched.evaluator._remember_count("x", 4)  # a dispatch the rollback undoes
+            raise RuntimeError("the evaluation failed")
+
+        monkeypatch.setattr(sched.evaluator, "evaluate", counts_then_fails)
+        event = CloudEvent(id="e-x", type="task.status_changed", subject="1", partitionkey="x",
+                           time=__import__("datetime").datetime.now(__import__("datetime").UTC))
+        delivery = Delivery("1", 0, event.to_json(), event)
+        with lite.engine.begin() as conn, pytest.raises(RuntimeError):
+            sched._handle_inside(conn, [delivery])
+        assert "x" not in sched.evaluator._counts  # read again from the dispatch log when next needed
     finally:
         stack.stop()
