@@ -294,8 +294,9 @@ def wait_caught_up(setup: Setup, children: pc.Children, timeout: float = 600.0) 
         engine.dispose()
 
 
-def _wal_streaming(setup: Setup, children: pc.Children) -> None:
-    engine = create_engine(setup.url)
+def _wal_streaming(url: str, children: pc.Children) -> None:
+    """Until the relay streams the slot (the changes before it are in the log, read once it streams)."""
+    engine = create_engine(url)
     deadline = time.monotonic() + 60
     try:
         while True:
@@ -357,7 +358,7 @@ def window(setup: Setup, rate: float, seconds: float, settle: float) -> dict[str
         names = start_processes(config.path, setup.url, setup.bus_url, setup.namespace, children,
                                 argparse.Namespace(schedulers=1))
         if config.capture == "wal":
-            _wal_streaming(setup, children)
+            _wal_streaming(setup.url, children)
         wait_caught_up(setup, children)
         with engine.connect() as conn:  # the completer's connection made (and counted) before the window
             conn.execute(sa.text("SELECT 1"))

@@ -52,8 +52,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench import _paths_common as pc
-from bench.common import REDIS_URL, delete_namespace, scratch_database, write_json
-from bench.cost import CONFIGS, Config, Setup, _drop_slot, _remove_sqlite, _wal_streaming
+from bench.common import REDIS_URL, delete_namespace, latency_summary, scratch_database, write_json
+from bench.cost import CONFIGS, Config, _drop_slot, _remove_sqlite, _wal_streaming
 from bench.paths import TYPES, start_processes
 from bridge.app import install
 from bridge.core.mapping import TaskTableMapping
@@ -134,10 +134,7 @@ class Signaller:
                 while not self.queue or self.queue[0][0] > time.monotonic():
                     if self.closed and not self.queue:
                         return
-                    wait = None if not self.queue else self.queue[0][0] - time.monotonic()
-                    self.cond.wait(wait if wait is None or wait > 0 else 0)
-                    if self.queue and self.queue[0][0] <= time.monotonic():
-                        break
+                    self.cond.wait(self.queue[0][0] - time.monotonic() if self.queue else None)
                 _, task_id = self.queue.pop(0)
             done = subprocess.run([exe, "signal", task_id, "--kind", "approval", "--actor", "bench"],
                                   cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=60)
@@ -147,23 +144,16 @@ class Signaller:
                 self.sent += 1
 
 
-def _kind(row: Any, as_time: Any) -> str:
-    ready = as_time(row.ready_at)
-    if row.signal_received_at is not None and as_time(row.signal_received_at) == ready:
+def _kind(row: Any) -> str:
+    """What made a dispatched task ready last: the row's ready time equals its approval's, its due time, or else a
+    dependency's completion (a task with dependencies) or its instance's arrival."""
+    ready = _as_time(row.ready_at)
+    if row.signal_received_at is not None and _as_time(row.signal_received_at) == ready:
         return "approval"
-    if row.due_at is not None and as_time(row.due_at) == ready:
+    if row.due_at is not None and _as_time(row.due_at) == ready:
         return "timer"
     deps = json.loads(row.depends_on) if isinstance(row.depends_on, str) else row.depends_on
     return "dependency" if deps else "arrival"
-
-
-def _summary(values: list[float]) -> dict[str, Any]:
-    values = sorted(values)
-    n = len(values)
-    if not n:
-        return {"n": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None, "max_ms": None}
-    return {"n": n, **{f"p{q}_ms": round(values[pc.nearest_rank(q / 100, n) - 1], 2) for q in (50, 90, 99)},
-            "max_ms": round(values[-1], 2)}
 
 
 def _as_time(value: Any) -> datetime:
@@ -186,12 +176,13 @@ def measure(engine: sa.Engine, plan: Plan) -> dict[str, Any]:
     slowest: list[tuple[float, str, str, str]] = []
     for r in rows:
         ms = (_as_time(r.dispatched_at) - _as_time(r.ready_at)).total_seconds() * 1000
-        kind = _kind(r, _as_time)
+        kind = _kind(r)
         by_kind.setdefault(kind, []).append(ms)
         everything.append(ms)
         slowest.append((round(ms, 2), kind, str(r.instance_id), str(r.task_key)))
     slowest.sort(reverse=True)
-    return {"latency": _summary(everything), "by_kind": {k: _summary(v) for k, v in sorted(by_kind.items())},
+    return {"latency": latency_summary(everything),
+            "by_kind": {k: latency_summary(v) for k, v in sorted(by_kind.items())},
             "slowest": slowest[:8], "tasks": int(tasks), "dispatches": len(rows),
             "lost": verdict.lost, "completed": verdict.completed, "doubled": verdict.double_dispatched,
             "early": verdict.early, "problems": list(verdict.problems[:5])}
@@ -226,7 +217,7 @@ def one_run(config: Config, n: int, args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(children.stop_all)
         start_processes(config.path, url, bus_url, namespace, children, argparse.Namespace(schedulers=1))
         if config.capture == "wal":
-            _wal_wait(url, children)
+            _wal_streaming(url, children)
         children.spawn("worker", [sys.executable, "-m", "bench._paths_common", "fleet", "--url", url,
                                   "--poll", str(args.worker_poll), "--min-duration", "0.01",
                                   "--max-duration", "0.05"], count="self")
@@ -266,11 +257,6 @@ def one_run(config: Config, n: int, args: argparse.Namespace) -> dict[str, Any]:
                    "finished_s": round(finished, 1), "unfinished": int(left), "signals_sent": signaller.sent,
                    "signal_failures": signaller.failures[:5], "load": machine_load, "logs": str(workdir)})
     return result
-
-
-def _wal_wait(url: str, children: pc.Children) -> None:
-    """Until the relay streams the slot (the first arrivals' changes are in the log before the stream starts)."""
-    _wal_streaming(Setup(CONFIGS["wal"], url, REDIS_URL, "", Path(".")), children)
 
 
 def broken(r: dict[str, Any]) -> bool:

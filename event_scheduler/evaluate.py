@@ -520,6 +520,7 @@ class Evaluator:
             again = datetime.now(UTC) + timedelta(seconds=LOST_RACE_RECHECK)
             for instance_id in sorted({t.instance_id for t in lost if str(t.task_id) in still}):
                 result.timers.append((again, "due", instance_id, ()))
+
         def count_dispatches() -> None:  # after the commit
             per_type: dict[str | None, int] = defaultdict(int)
             for t in won:

@@ -600,8 +600,9 @@ class EmbeddedBus(EventBus):
         write transaction, its ``BEGIN IMMEDIATE``, the read, ``handle``'s writes and the offsets, where a
         :meth:`ack_and_read` and a handler with writes of its own cost three (the take with its pending rows,
         the handler's, the acknowledgements' ``DELETE``, which rode with the next take): `bench.cost`, embedded,
-        2 completions/s, 12.2-13.0 statements per completion. The write lock is held while ``handle`` runs;
-        the event scheduler's evaluation of a batch is a few milliseconds. Elsewhere as :class:`EventBus`."""
+        2 completions/s, 9.3-9.6 statements per completion against 12.8-12.9. The write lock is held while
+        ``handle`` runs (the event scheduler's evaluation of a small batch: a few milliseconds). Elsewhere as
+        :class:`EventBus`."""
         if self._changes is None:
             return super().read_handled(group, consumer, partitions, count, block, handle, acks)
         parts = self._read_args(group, partitions, count)

@@ -475,12 +475,18 @@ def check_topics(topics: Iterable[str]) -> frozenset[str]:
     return chosen
 
 
+def _notifying(conn: Any) -> NotifyingConnection | None:
+    """The SQLite connection under ``conn`` (a SQLAlchemy connection) whose commits signal, if it is one."""
+    dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
+    return dbapi_conn if isinstance(dbapi_conn, NotifyingConnection) else None
+
+
 def mark_about(conn: Any, *topics: str) -> None:
     """Mark the open transaction of ``conn`` (a SQLAlchemy connection) as about ``topics`` (SQLite; else
     nothing): its commit wakes only the waiters for those."""
     chosen = check_topics(topics)
-    dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
-    if isinstance(dbapi_conn, NotifyingConnection):
+    dbapi_conn = _notifying(conn)
+    if dbapi_conn is not None:
         dbapi_conn.pb_topics = chosen
 
 
@@ -489,8 +495,8 @@ def add_topics(conn: Any, *topics: str) -> None:
     nothing): a transaction that several writers share (the event scheduler's evaluation inside the bus's take)
     wakes the waiters of each one's topics. No topic: ``data``, as a write through the plain engine."""
     chosen = check_topics(topics or ("data",))
-    dbapi_conn = getattr(getattr(conn, "connection", None), "dbapi_connection", None)
-    if isinstance(dbapi_conn, NotifyingConnection):
+    dbapi_conn = _notifying(conn)
+    if dbapi_conn is not None:
         had = dbapi_conn.pb_topics
         dbapi_conn.pb_topics = (frozenset({"data"}) if had is None else had) | chosen
 

@@ -531,3 +531,38 @@ def test_a_handler_run_that_rolled_back_forgets_the_dispatch_counts_it_kept(lite
         assert "x" not in sched.evaluator._counts  # read again from the dispatch log when next needed
     finally:
         stack.stop()
+
+
+def test_a_failing_after_commit_effect_stops_none_of_the_others(lite: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the take the batch is committed before its effects in memory run: a dead letter that fails (a bus
+    write of its own) neither raises nor keeps the batch's remembered ids and metrics from being applied; the
+    unparseable entry stays pending, to be dead-lettered when claimed again."""
+    from bridge.core.events import CloudEvent
+
+    stack = Stack(lite)
+    try:
+        bus = lite.open_bus()
+        sched = stack.scheduler("cutover", start=False)
+        assert sched._in_take
+        sched.refresh_leases()
+
+        def fails(*_args: Any, **_kwargs: Any) -> None:
+            raise RuntimeError("the dead letter could not be written")
+
+        monkeypatch.setattr(sched.bus, "dead_letter", fails)
+        _write_raw(lite, bus, "this is not json")
+        good = CloudEvent(id="e-after", type="task.status_changed", subject="1", partitionkey="nobody",
+                          time=__import__("datetime").datetime.now(__import__("datetime").UTC))
+        bus.publish([good])
+        handled = 0
+        for _ in range(20):
+            handled += sched.poll_once(block=0.1)
+            if handled >= 2:
+                break
+        assert handled == 2
+        assert "e-after" in sched._recent  # the batch's own effects ran
+        assert sched.metrics.value("pollbridge_scheduler_unknown_events_total") == 1
+        assert sched.metrics.value("pollbridge_scheduler_dead_letters_total", {"reason": "unparseable"}) == 0
+        assert bus.pending_count(SCHED.group) == 1  # the unparseable one, not lost
+    finally:
+        stack.stop()

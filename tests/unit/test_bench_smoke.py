@@ -25,7 +25,7 @@ def test_help_parses(module: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_e2e_plan_puts_approvals_on_tasks_with_a_dependency_and_classifies_what_made_a_task_ready() -> None:
     from types import SimpleNamespace
 
-    from bench.e2e import _as_time, _kind, build_plan
+    from bench.e2e import _kind, build_plan
 
     plan = build_plan(40, 6, 4.0, 0.5, 7, "p")
     assert plan == build_plan(40, 6, 4.0, 0.5, 7, "p")  # the same for every configuration
@@ -44,11 +44,11 @@ def test_e2e_plan_puts_approvals_on_tasks_with_a_dependency_and_classifies_what_
         return SimpleNamespace(ready_at=ready, due_at=due, signal_received_at=signal, depends_on=deps)
 
     t, later = "2026-12-06 10:00:00.000", "2026-12-06 10:00:01.000"
-    assert _kind(row(t, signal=t, due=later, deps='["a"]'), _as_time) == "approval"
-    assert _kind(row(t, due=t, signal=later, deps=["a"]), _as_time) == "timer"
-    assert _kind(row(later, due=t, signal=t, deps=["a"]), _as_time) == "dependency"
-    assert _kind(row(later, deps='["a"]'), _as_time) == "dependency"
-    assert _kind(row(later, due=t), _as_time) == "arrival"
+    assert _kind(row(t, signal=t, due=later, deps='["a"]')) == "approval"
+    assert _kind(row(t, due=t, signal=later, deps=["a"])) == "timer"
+    assert _kind(row(later, due=t, signal=t, deps=["a"])) == "dependency"
+    assert _kind(row(later, deps='["a"]')) == "dependency"
+    assert _kind(row(later, due=t)) == "arrival"
 
 
 def test_scale_is_reachable_from_paths(capsys: pytest.CaptureFixture[str]) -> None:
