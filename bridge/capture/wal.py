@@ -50,6 +50,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -61,16 +62,18 @@ from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.gaps import PENDING, WAL_SLOT, close_gap_statement, pending_gap, record_gap_statement
 from bridge.capture.pgoutput import (
     UNCHANGED,
-    Begin,
     Change,
-    Commit,
     DecodeError,
     LogicalMessage,
     Relation,
     Value,
+    begin_xid,
+    commit_fields,
     decode,
     lsn_text,
+    new_row,
     parse_lsn,
+    pg_time,
 )
 from bridge.capture.queries import INVISIBLE_XIDS_SQL, event_payload_sql
 from bridge.capture.triggers import (
@@ -110,6 +113,9 @@ def slot_name(conn: Connection) -> str:
 SEEN_CACHE = 200_000
 #: Most changes in one of pollbridge's transactions.
 BATCH_ROWS = 5_000
+#: Messages the stream reads in a row before it looks at its stop and its lead again (each look per message took 2 %
+#: of the relay's active time at 8 writers, py-spy).
+DRAIN = 1_000
 #: Seconds between standby status updates while the stream is idle (the server's wal_sender_timeout is 60 s).
 FEEDBACK_INTERVAL = 10.0
 #: Longest wait for a decoded commit to become visible before the batch is streamed again (see
@@ -453,6 +459,49 @@ class _Pending:
     xids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Where the task table's captured columns are in the tuples of one of its Relation messages (None: not
+    there, read as NULL), so that each change is read by position instead of through a dict of every column."""
+
+    id: int | None
+    #: The watched columns' positions, their kinds (WATCHED), and where the id and the status are among them.
+    watched: tuple[int | None, ...]
+    kinds: tuple[str, ...]
+    id_at: int
+    status_at: int | None
+    status: int | None
+    instance: tuple[int | None, ...]
+    task_key: tuple[int | None, ...]
+    typed: bool  # the mapping names a workflow type column
+    workflow_type: int | None
+    attempt: int | None
+    depth: int | None
+
+    @classmethod
+    def of(cls, relation: Relation, cols: Any, watched: Sequence[tuple[str, str]]) -> _Plan:
+        at = {c.name: i for i, c in enumerate(relation.columns)}
+        names = [column for _, column in watched]
+        return cls(id=at.get(cols.id), watched=tuple(at.get(c) for c in names), kinds=tuple(k for k, _ in watched),
+                   id_at=names.index(cols.id), status_at=names.index(cols.status) if cols.status in names else None,
+                   status=at.get(cols.status), instance=tuple(at.get(c) for c in cols.parts("instance_id")),
+                   task_key=tuple(at.get(c) for c in cols.parts("task_key")), typed=bool(cols.workflow_type),
+                   workflow_type=at.get(cols.workflow_type) if cols.workflow_type else None,
+                   attempt=at.get(cols.attempts) if cols.attempts else None,
+                   depth=at.get(cols.depth) if cols.depth else None)
+
+    @staticmethod
+    def value(values: tuple[Value, ...], at: int | None) -> Value:
+        return values[at] if at is not None and at < len(values) else None
+
+    def watched_values(self, values: tuple[Value, ...]) -> tuple[Value, ...]:
+        return tuple(values[p] if p is not None and p < len(values) else None for p in self.watched)
+
+    def joined(self, values: tuple[Value, ...], parts: tuple[int | None, ...]) -> str:
+        """A key made of ``parts`` as the trigger writes it: the columns' text joined by ``/``."""
+        return "/".join(_text(self.value(values, p)) for p in parts)
+
+
 class WalCapture:
     """Streams the slot and writes the captured changes to the outbox, published (see the module docstring).
 
@@ -480,6 +529,8 @@ class WalCapture:
         self.foreign = foreign
         self.batch_rows = batch_rows
         self.relations: dict[int, Relation] = {}
+        #: Of the relations that are the task table: where its captured columns are (see _Plan).
+        self._plans: dict[int, _Plan] = {}
         self.pending = _Pending()
         self._txn: list[dict[str, Any]] | None = None
         self._xid = 0
@@ -535,44 +586,71 @@ class WalCapture:
     # --- decoding --------------------------------------------------------------------------------------
     def handle(self, payload: bytes) -> None:
         """One message of the stream."""
+        # A captured transaction's begin, changes of task rows and commit are read in place (pgoutput's begin_xid,
+        # new_row, commit_fields), not through decode's message objects: 3 messages for each single-row
+        # transaction the scheduler commits. Measured on recorded messages of the reference table: 43-72 against
+        # ... microseconds per change (see docs/capture.md).
+        tag = payload[:1]
+        if tag == b"B":
+            self._txn = []
+            self._xid = begin_xid(payload)
+            self._changes = 0
+            return
+        if tag == b"C":
+            self._commit(*commit_fields(payload))
+            return
+        if tag == b"U" or tag == b"I":
+            fast = new_row(payload)
+            plan = self._plans.get(fast[0]) if fast is not None else None
+            if fast is not None and plan is not None:
+                self._open()
+                self._add(self._task_row(plan, fast[1], fast[2], None, False))
+                return
         message = decode(payload)
         if isinstance(message, Relation):
             self.relations[message.relid] = message
-        elif isinstance(message, Begin):
-            self._txn = []
-            self._xid = message.xid
-            self._changes = 0
+            self._plans.pop(message.relid, None)
+            if self._target(message) == -1:
+                self._plans[message.relid] = _Plan.of(message, self.tables.mapping.columns, self._watched)
         elif isinstance(message, Change):
-            if self._txn is None:
-                raise DecodeError("a change outside a transaction")
-            # Numbered among all the transaction's changes, skipped ones included: a change streamed again
-            # gets the same event id whatever this process remembered the first time.
-            row = self._row(message, self._changes)
-            self._changes += 1
-            if row is not None:
-                self._txn.append(row)
+            self._open()
+            self._add(self._row(message))
         elif isinstance(message, LogicalMessage) and message.prefix == "pollbridge":
             self._reload_bounds = True  # a switch: its state committed with the message
             self._switching = True  # and `capture switch` waits for its confirmation: nothing is held
-        elif isinstance(message, Commit):
-            if self._reload_bounds:
-                self._load_bounds()
-            # Outside the log's share (before a switch to it, or after a switch away): the triggers have them.
-            inside = message.commit_lsn >= self.start_lsn and (self.stop_lsn is None
-                                                                or message.commit_lsn < self.stop_lsn)
-            rows = (self._txn or []) if inside else []
+
+    def _open(self) -> None:
+        if self._txn is None:
+            raise DecodeError("a change outside a transaction")
+
+    def _add(self, row: dict[str, Any] | None) -> None:
+        """A change of the open transaction, numbered among all its changes, skipped ones included: a change
+        streamed again gets the same event id whatever this process remembered the first time."""
+        assert self._txn is not None
+        if row is not None:
+            row["pb_n"] = self._changes
+            self._txn.append(row)
+        self._changes += 1
+
+    def _commit(self, commit_lsn: int, end_lsn: int, micros: int) -> None:
+        if self._reload_bounds:
+            self._load_bounds()
+        # Outside the log's share (before a switch to it, or after a switch away): the triggers have them.
+        inside = commit_lsn >= self.start_lsn and (self.stop_lsn is None or commit_lsn < self.stop_lsn)
+        rows = (self._txn or []) if inside else []
+        if rows:
+            created = pg_time(micros).isoformat()  # as the outbox's JSON document carries it
             for row in rows:
-                row["created_at"] = message.commit_time
-                seed = f"{message.commit_lsn}:{row.pop('pb_n')}"
+                row["created_at"] = created
+                seed = f"{commit_lsn}:{row.pop('pb_n')}"
                 if "pb_related" in row:  # its task rows' event ids are derived from it when it is written
                     row["pb_seed"] = seed
                 else:
                     row["event_id"] = event_id(seed)
             self.pending.rows += rows
-            if rows:
-                self.pending.xids.append(self._xid)
-            self.pending.end_lsn = message.end_lsn
-            self._txn = None
+            self.pending.xids.append(self._xid)
+        self.pending.end_lsn = end_lsn
+        self._txn = None
 
     def _load_bounds(self) -> None:
         with self.engine.connect() as conn:
@@ -604,7 +682,7 @@ class WalCapture:
                             relation.name)
         return target
 
-    def _row(self, change: Change, n: int) -> dict[str, Any] | None:
+    def _row(self, change: Change) -> dict[str, Any] | None:
         relation = self.relations.get(change.relid)
         if relation is None or change.kind == "delete" or change.new is None:
             return None
@@ -612,57 +690,57 @@ class WalCapture:
         if target is None:
             return None
         if target >= 0:
-            return self._related_row(relation, target, change, n)
-        names = [c.name for c in relation.columns]
-        new = dict(zip(names, change.new, strict=False))
-        old = dict(zip(names, change.old, strict=False)) if change.old is not None else None
-        cols = self.tables.mapping.columns
-        task_id = new.get(cols.id)
+            return self._related_row(relation, target, change)
+        plan = self._plans.get(change.relid) or _Plan.of(relation, self.tables.mapping.columns, self._watched)
+        return self._task_row(plan, change.kind, change.new, change.old, change.old_full)
+
+    def _task_row(self, plan: _Plan, kind: str, new: tuple[Value, ...], old: tuple[Value, ...] | None,
+                  old_full: bool) -> dict[str, Any] | None:
+        """The outbox row of an insert or update of a task row (None: skipped), by the positions of ``plan``."""
+        task_id = plan.value(new, plan.id)
         if not isinstance(task_id, str):
             return None
         # The id before the change: the old key tuple's when the update changed the primary key.
-        old_id = old.get(cols.id) if old is not None and isinstance(old.get(cols.id), str) else task_id
-        watched_now = tuple(new.get(c) for _, c in self._watched)
-        remembered = self._seen.pop(str(old_id), None) if old_id != task_id else self._seen.get(task_id)
-        kind, old_status = "insert", None
-        if change.kind == "update":
+        old_id = task_id
+        if old is not None and isinstance(earlier := plan.value(old, plan.id), str):
+            old_id = earlier
+        watched_now = plan.watched_values(new)
+        remembered = self._seen.pop(old_id, None) if old_id != task_id else self._seen.get(task_id)
+        change, old_status = "insert", None
+        if kind == "update":
             before: list[Value] | None = None
-            if old is not None and change.old_full:  # REPLICA IDENTITY FULL: the whole old row
-                before = [old.get(c) for _, c in self._watched]
+            if old is not None and old_full:  # REPLICA IDENTITY FULL: the whole old row
+                before = list(plan.watched_values(old))
             elif remembered is not None:
                 before = list(remembered)
             if before is not None:
-                watched = [c for _, c in self._watched]
-                before[watched.index(cols.id)] = old_id
+                before[plan.id_at] = old_id
                 # The first watched column that changed names the kind, as in the trigger; an unchanged
                 # TOASTed value travels as "unchanged": it did not change.
-                changed = [k for (k, _), a, b in zip(self._watched, before, watched_now, strict=True)
-                           if b is not UNCHANGED and a != b]
-                if not changed:
+                changed = next((k for k, a, b in zip(plan.kinds, before, watched_now, strict=True)
+                                if b is not UNCHANGED and a != b), None)
+                if changed is None:
                     self._remember(task_id, watched_now)
                     return None
-                kind = changed[0]
-                old_status = before[watched.index(cols.status)] if cols.status in watched else None
+                change = changed
+                old_status = before[plan.status_at] if plan.status_at is not None else None
             else:
-                kind = "identity" if old_id != task_id else "status"  # not remembered: the status may have moved
+                change = "identity" if old_id != task_id else "status"  # not remembered: the status may have moved
         self._remember(task_id, watched_now)
-        status = new.get(cols.status)
-        attempt = new.get(cols.attempts) if cols.attempts else None
-        depth = new.get(cols.depth) if cols.depth else None
+        status = plan.value(new, plan.status)
         return {
-            "pb_n": n,
             "task_id": task_id,
-            "instance_id": "/".join(_text(new.get(c)) for c in cols.parts("instance_id")),
-            "task_key": "/".join(_text(new.get(c)) for c in cols.parts("task_key")),
-            "workflow_type": _text(new.get(cols.workflow_type)) if cols.workflow_type else None,
-            "change": kind,
+            "instance_id": plan.joined(new, plan.instance),
+            "task_key": plan.joined(new, plan.task_key),
+            "workflow_type": _text(plan.value(new, plan.workflow_type)) if plan.typed else None,
+            "change": change,
             "old_status": None if old_status is UNCHANGED else old_status,
             "new_status": None if status is UNCHANGED else status,
-            "attempt": _small_int(attempt),
-            "depth": _small_int(depth),
+            "attempt": _small_int(plan.value(new, plan.attempt)),
+            "depth": _small_int(plan.value(new, plan.depth)),
         }
 
-    def _related_row(self, relation: Relation, index: int, change: Change, n: int) -> dict[str, Any] | None:
+    def _related_row(self, relation: Relation, index: int, change: Change) -> dict[str, Any] | None:
         """A change of a ``[[mapping.related]]`` row: a marker that becomes, when written, a status change of every
         task row (read through the read view) whose match columns equal the row's, as the related trigger writes
         (:data:`pb_related`, :data:`pb_match`: the related columns' values, as text, in match order). An update
@@ -701,7 +779,7 @@ class WalCapture:
         # The values the view takes from this row, as they were at this change (mapping.related.columns).
         values = {task_column: new.get(related_column) for task_column, related_column in related.columns
                   if new.get(related_column) is not UNCHANGED}
-        return {"pb_n": n, "pb_related": index, "pb_match": tuple(_text(v) for v in match), "pb_values": values}
+        return {"pb_related": index, "pb_match": tuple(_text(v) for v in match), "pb_values": values}
 
     def _remember(self, task_id: str, values: tuple[Value, ...]) -> None:
         self._seen[task_id] = values
@@ -743,12 +821,14 @@ class WalCapture:
 
     @staticmethod
     def _rows_document(rows: Sequence[dict[str, Any]]) -> str:
-        """The rows as the one JSON document the insert reads (``json_to_recordset``): dumped by the ``json``
-        module's C encoder, where twelve array parameters were dumped element by element by the driver's Python
-        code (measured: 10 % of the relay's CPU streaming 5,000 changes/s). Text as it is, not ``\\u`` escapes: a
+        """The rows as the one JSON document the insert reads (``json_to_recordset``, which ignores the keys it does
+        not name): dumped by the ``json`` module's C encoder, where twelve array parameters were dumped element by
+        element by the driver's Python code (measured: 10 % of the relay's CPU streaming 5,000 changes/s), and
+        the rows as they are, their place added (``pb_i``), not copied. Text as it is, not ``\\u`` escapes: a
         ``SQL_ASCII`` database refuses escapes above U+007F in JSON."""
-        return json.dumps([{**{n: r.get(n) for n in _OUTBOX_FIELDS}, "created_at": r["created_at"].isoformat(),
-                            "pb_i": i} for i, r in enumerate(rows)], ensure_ascii=False, separators=(",", ":"))
+        for i, r in enumerate(rows):
+            r["pb_i"] = i
+        return json.dumps(rows, ensure_ascii=False, separators=(",", ":"), default=_json_time)
 
     def flush(self, *, closing: sa.Update | None = None) -> int:
         """Write, publish and record the pending changes in one transaction; return how many. The caller
@@ -1084,12 +1164,16 @@ class WalCapture:
                      lsn_text(start) if start else "its confirmed position")
             last_feedback = time.monotonic()
             while not stop.is_set() and self._leads():
-                message = cur.read_message()
-                if message is not None:
+                # What the connection holds, up to DRAIN messages before the stop and the lead are looked at again.
+                for _ in range(DRAIN):
+                    message = cur.read_message()
+                    if message is None:
+                        break
                     self.handle(message.payload)
                     if len(self.pending.rows) >= self.batch_rows:
                         self._flush_and_confirm(cur)
                         last_feedback = time.monotonic()
+                else:
                     continue
                 # Nothing waiting: what is pending goes out now (a batch is what arrived together), unless it is
                 # quiet changes only, which wait for a change that can make a task ready (or their hold's end).
@@ -1264,6 +1348,13 @@ def _view_values(v: Any) -> dict[str, Any]:
     return {"task_id": v.task_id, "instance_id": v.instance_id, "task_key": v.task_key,
             "workflow_type": v.workflow_type, "new_status": v.status, "attempt": _small_int(v.attempt),
             "depth": _small_int(v.depth)}
+
+
+def _json_time(value: Any) -> str:
+    """A datetime in the outbox's JSON document (a re-derived row's time; a streamed change's comes as text)."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _text(value: Value) -> str:

@@ -24,9 +24,13 @@ from bridge.capture.pgoutput import (
     Relation,
     Skipped,
     Value,
+    begin_xid,
+    commit_fields,
     decode,
     lsn_text,
+    new_row,
     parse_lsn,
+    pg_time,
 )
 
 
@@ -119,6 +123,54 @@ def test_unknown_tags_and_binary_tuples_are_decode_errors() -> None:
         decode(b"Z")
     with pytest.raises(DecodeError, match="binary tuples"):
         decode(b"I" + struct.pack("!I", 7) + b"N" + struct.pack("!h", 1) + b"b" + struct.pack("!i", 1) + b"x")
+
+
+# --- read in place: what the WAL capture reads of every captured transaction, as decode reads it ------------------
+
+@given(st.integers(0, 2**64 - 1), when, st.integers(0, 2**32 - 1))
+def test_begin_xid_reads_what_decode_reads(lsn: int, at: datetime, xid: int) -> None:
+    raw = b"B" + struct.pack("!Q", lsn) + _ts(at) + struct.pack("!I", xid)
+    begin = decode(raw)
+    assert isinstance(begin, Begin)
+    assert begin_xid(raw) == begin.xid == xid
+    with pytest.raises(DecodeError):
+        begin_xid(raw[:-1])
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), when)
+def test_commit_fields_read_what_decode_reads(commit_lsn: int, end_lsn: int, at: datetime) -> None:
+    raw = b"C" + b"\x00" + struct.pack("!QQ", commit_lsn, end_lsn) + _ts(at)
+    lsn, end, micros = commit_fields(raw)
+    assert Commit(lsn, end, pg_time(micros)) == decode(raw) == Commit(commit_lsn, end_lsn, at)
+    with pytest.raises(DecodeError):
+        commit_fields(raw[:-1])
+
+
+@given(values, st.one_of(st.none(), values), st.sampled_from([b"I", b"U"]))
+def test_new_row_reads_a_change_with_only_its_new_tuple_as_decode_does(
+        new: tuple[Value, ...], old: tuple[Value, ...] | None, tag: bytes) -> None:
+    old_part = b"" if old is None or tag == b"I" else b"K" + _tuple(old)
+    raw = tag + struct.pack("!I", 7) + old_part + b"N" + _tuple(new)
+    change = decode(raw)
+    assert isinstance(change, Change)
+    if old_part:  # an old tuple first: left to decode
+        assert new_row(raw) is None
+    else:
+        assert new_row(raw) == (7, change.kind, change.new)
+    assert new_row(b"D" + struct.pack("!I", 7) + b"K" + _tuple(new)) is None
+
+
+@given(values, st.data())
+def test_new_row_of_a_truncated_message_is_a_decode_error_or_left_to_decode(new: tuple[Value, ...],
+                                                                          data: st.DataObject) -> None:
+    raw = b"U" + struct.pack("!I", 7) + b"N" + _tuple(new)
+    cut = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    try:
+        assert new_row(cut) is None
+    except DecodeError:
+        return
+    with pytest.raises(DecodeError):  # and decode says what is wrong
+        decode(cut)
 
 
 @given(st.integers(0, 2**64 - 1))
