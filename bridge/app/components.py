@@ -154,6 +154,7 @@ class Components:
                           foreign=s.mapping if s.legacy.foreign else None,
                           hold_quiet=s.relay.idle_probe_interval,
                           leading=relay.leading if relay is not None else None,
+                          publishing=relay.publishing if relay is not None else None,
                           on_flush=relay.note_captured if relay is not None else None)
 
     def log_stream(self, engine: Engine, bus: EventBus, relay: Relay,

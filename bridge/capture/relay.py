@@ -211,6 +211,10 @@ class Relay:
         #: Set while this relay holds its partition. The write-ahead log's stream of partition 0 runs only then
         #: (:func:`bridge.capture.wal.stream_when_installed`): one process does the partition's whole work.
         self.leading = threading.Event()
+        #: Cleared while publishing is paused (the bus near its memory limit, ``relay.max_bus_memory``): the
+        #: write-ahead log's stream pauses with it.
+        self.publishing = threading.Event()
+        self.publishing.set()
         #: PostgreSQL: whether capture triggers are installed, as read when the listener (re)connected and at each
         #: notification that capture changed (None: not read yet, taken as yes). Without them (the write-ahead
         #: log captures) a row reaches the outbox unpublished only with a notification (a review release) or by
@@ -552,6 +556,7 @@ class Relay:
                         if self.check_bus_epoch():  # requeued rows notify no one: claim them now
                             self._look, self._probe_at = True, None
                         was_paused, paused = paused, self._memory_paused()
+                        (self.publishing.clear if paused else self.publishing.set)()
                         if was_paused and not paused:
                             self._look, self._probe_at = True, None
                         next_epoch = now + self.settings.epoch_check_interval

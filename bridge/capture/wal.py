@@ -116,6 +116,8 @@ BATCH_ROWS = 5_000
 #: Messages the stream reads in a row before it looks at its stop and its lead again (each look per message took 2 %
 #: of the relay's active time at 8 writers, py-spy).
 DRAIN = 1_000
+#: Seconds between looks at the stop and the lead while the relay has paused publishing.
+PAUSED_LOOK = 0.5
 #: Seconds between standby status updates while the stream is idle (the server's wal_sender_timeout is 60 s).
 FEEDBACK_INTERVAL = 10.0
 #: Longest wait for a decoded commit to become visible before the batch is streamed again (see
@@ -511,8 +513,12 @@ class WalCapture:
     def __init__(self, engine: Engine, tables: TaskTable, bus: EventBus, *, relay_partitions: int = 1,
                  foreign: TaskTableMapping | None = None, batch_rows: int = BATCH_ROWS,
                  hold_quiet: float = HOLD_QUIET, leading: threading.Event | None = None,
+                 publishing: threading.Event | None = None,
                  on_flush: Callable[[int], None] | None = None) -> None:
         self.engine = engine
+        #: Cleared while the relay has paused publishing (the bus near its memory limit): the stream reads,
+        #: writes and publishes nothing meanwhile; the slot keeps the changes (None: never paused).
+        self.publishing = publishing
         #: Set while the relay this capture runs for holds partition 0 (None: always): the stream ends when it
         #: is cleared, so one process does the partition's whole work (see :func:`stream_when_installed`).
         self.leading = leading
@@ -1164,6 +1170,14 @@ class WalCapture:
                      lsn_text(start) if start else "its confirmed position")
             last_feedback = time.monotonic()
             while not stop.is_set() and self._leads():
+                if self.publishing is not None and not self.publishing.is_set():
+                    # Paused with the relay: what is pending stays unconfirmed, and the server's timeout is kept off
+                    # by the status updates.
+                    if time.monotonic() - last_feedback >= FEEDBACK_INTERVAL:
+                        cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=False)
+                        last_feedback = time.monotonic()
+                    self.publishing.wait(PAUSED_LOOK)
+                    continue
                 # What the connection holds, up to DRAIN messages before the stop and the lead are looked at again.
                 for _ in range(DRAIN):
                     message = cur.read_message()

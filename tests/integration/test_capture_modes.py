@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from bridge.app import install
 from bridge.bus import open_bus
+from bridge.bus.base import EventBus
 from bridge.capture import wal
 from bridge.capture.gaps import WAL_SLOT, gaps_after
 from bridge.capture.queries import widened_xid_sql
@@ -39,6 +40,7 @@ from bridge.reconcile.status import gather_status
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable.tables import reflect_tables
 from tests.support import Audit, wait_for
+from tests.support.buses import UnderMemoryPressure
 from tests.support.wal import wal_available
 
 #: ``wal-redis``: the log streamed to a bus outside the database (published before the batch's commit; on the
@@ -972,7 +974,8 @@ RELAY_BESIDE_LOG = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_i
 @contextlib.contextmanager
 def relay_beside_log(c: Capture, stop: threading.Event | None = None, *, wait_active: bool = True,
                      settings: RelaySettings = RELAY_BESIDE_LOG, relay_partitions: int = 1,
-                     threads: list[threading.Thread] | None = None) -> Iterator[tuple[Any, list[WalCapture]]]:
+                     threads: list[threading.Thread] | None = None,
+                     bus: EventBus | None = None) -> Iterator[tuple[Any, list[WalCapture]]]:
     """The relay of partition 0 and its write-ahead log's stream, as ``relay run`` wires them (the composition
     root), and the relays of the other partitions, each in its thread (collected in ``threads``); stopped
     (``stop``) on the way out."""
@@ -981,9 +984,10 @@ def relay_beside_log(c: Capture, stop: threading.Event | None = None, *, wait_ac
     components = Components(Settings(database_url=c.engine.url.render_as_string(hide_password=False),
                                      capture=CaptureSettings(mode="wal", relay_partitions=relay_partitions),
                                      relay=settings))
-    relay = components.relay(c.engine, c.bus)
+    bus = bus or c.bus
+    relay = components.relay(c.engine, bus)
     ran: list[WalCapture] = []
-    stream = components.log_stream(c.engine, c.bus, relay, ran)
+    stream = components.log_stream(c.engine, bus, relay, ran)
     assert stream is not None
     stop = stop or threading.Event()
     threads = threads if threads is not None else []
@@ -1001,6 +1005,24 @@ def relay_beside_log(c: Capture, stop: threading.Event | None = None, *, wait_ac
         stop.set()
         for thread in threads:
             thread.join(15)
+
+
+@pytest.mark.postgres
+def test_the_log_stream_pauses_with_the_relay_while_the_bus_is_near_its_memory_limit(walcap: Capture) -> None:
+    """The relay pauses publishing while the bus is near its memory limit (``relay.max_bus_memory``); the log's
+    stream pauses with it (it went on publishing into a full bus), and the slot keeps the changes until it
+    resumes."""
+
+    full = UnderMemoryPressure(walcap.bus)
+    with relay_beside_log(walcap, bus=full) as (relay, ran):  # type: ignore[arg-type]
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_paused") == 1, 10.0, what="the relay to pause")
+        _new_instance(walcap, "mem", ["a", "b"])
+        threading.Event().wait(0.5)  # paused: time the stream must not use
+        assert sum(w.captured for w in ran) == 0
+        assert _outbox_count(walcap) == 0
+        full.pressure = 0.5
+        wait_for(lambda: sum(w.captured for w in ran) == 2, 20.0, what="the stream to resume")
+        assert relay.metrics.value("pollbridge_relay_paused") == 0
 
 
 def _outbox_count(c: Capture) -> int:

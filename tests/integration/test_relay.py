@@ -15,14 +15,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
-from bridge.bus import EventBus, open_bus
+from bridge.bus import open_bus
 from bridge.capture.leadership import ADVISORY_NAMESPACE
 from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings
 from bridge.db.clock import as_utc
 from bridge.db.schema import outbox, outbox_dead, relay_state
 from tests.support import Audit, Env, wait_for, when_waiting
-from tests.support.buses import drops_single_entries, lose_bus_data
+from tests.support.buses import UnderMemoryPressure, drops_single_entries, lose_bus_data
 from tests.support.stacks import ENV_PARAMS_WITH_CLUSTER, make_env
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
@@ -430,19 +430,7 @@ def test_a_signal_has_its_own_event_type_from_both_builders(env: Env) -> None:
 
 
 def test_relay_pauses_while_the_bus_is_near_its_memory_limit(env: Env, running: Callable[[Relay], object]) -> None:
-    class Full:
-        """Wraps a bus and reports memory pressure until told otherwise."""
-
-        def __init__(self, bus: EventBus) -> None:
-            self.bus, self.pressure = bus, 0.97
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.bus, name)
-
-        def memory_pressure(self) -> float | None:
-            return self.pressure
-
-    full = Full(env.open_bus())
+    full = UnderMemoryPressure(env.open_bus())
     relay = Relay(env.engine, full, FAST, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
     running(relay)
     wait_for(lambda: relay.metrics.value("pollbridge_relay_paused") == 1, 10, what="the relay to pause")

@@ -149,3 +149,17 @@ def drops_single_entries(bus: EventBus) -> bool:
     """Whether one acknowledged entry can vanish from the bus's storage alone (Redis: ``XDEL``, or a failover to a
     replica that had not received it). A RabbitMQ stream is append-only: it loses a whole stream or nothing."""
     return isinstance(bus, RedisStreamsBus)
+
+
+class UnderMemoryPressure:
+    """A bus that reports ``pressure`` of its memory limit (0.97: above the relay's pause threshold) until told
+    otherwise; everything else goes to the bus it wraps."""
+
+    def __init__(self, bus: EventBus, pressure: float = 0.97) -> None:
+        self.bus, self.pressure = bus, pressure
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.bus, name)
+
+    def memory_pressure(self) -> float | None:
+        return self.pressure
