@@ -560,12 +560,18 @@ class Relay:
                         if was_paused and not paused:
                             self._look, self._probe_at = True, None
                         next_epoch = now + self.settings.epoch_check_interval
+                    self._schedule_log_purge(now)
                     if paused:  # backpressure: the outbox keeps the changes until the bus has room
                         if self._armed:  # unheard while paused, the writers' NOTIFYs would only fill the queue
                             self._set_armed(False)
+                        # The purge goes on: its trim of what every consumer acknowledged is what gives the bus room
+                        # again (skipped while paused, a bus full of acknowledged entries kept the relay paused).
+                        if now >= next_purge:
+                            if self._purge_due is not None and now >= self._purge_due:
+                                self.purge()
+                            next_purge = now + self.settings.purge_interval
                         stop.wait(self.settings.epoch_check_interval)
                         continue
-                    self._schedule_log_purge(now)
                     if now >= next_purge:
                         # The bus trim rides on the outbox's purge: its entries are the same publishes. An
                         # entry still unacknowledged at a purge waits for the next one (after the next

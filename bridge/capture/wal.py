@@ -326,8 +326,10 @@ def wait_confirmed(engine: Engine, lsn: int, timeout: float, tables: TaskTable, 
             WalCapture(engine, tables, bus).catch_up(max(1.0, deadline - time.monotonic()))
             continue
         if time.monotonic() > deadline:
+            why = ("the relay of partition 0 streams the slot: is its publishing paused for a full bus (`pollbridge "
+                   "status`), or is it far behind?") if row[0] else "is the relay of partition 0 running?"
             raise TimeoutError(f"the write-ahead-log capture did not confirm {lsn_text(lsn)} within {timeout:g} s: "
-                               "is the relay of partition 0 running?")
+                               f"{why}")
         time.sleep(0.1)
 
 
@@ -594,8 +596,8 @@ class WalCapture:
         """One message of the stream."""
         # A captured transaction's begin, changes of task rows and commit are read in place (pgoutput's begin_xid,
         # new_row, commit_fields), not through decode's message objects: 3 messages for each single-row
-        # transaction the scheduler commits. Measured on recorded messages of the reference table: 43-72 against
-        # ... microseconds per change (see docs/capture.md).
+        # transaction the scheduler commits. Measured on recorded messages of the reference table: 23-33 against
+        # 43-61 microseconds per change (docs/capture.md, "The stream read in place").
         tag = payload[:1]
         if tag == b"B":
             self._txn = []
@@ -1036,6 +1038,9 @@ class WalCapture:
     def _leads(self) -> bool:
         return self.leading is None or self.leading.is_set()
 
+    def _paused(self) -> bool:
+        return self.publishing is not None and not self.publishing.is_set()
+
     def _run(self, stop: threading.Event) -> None:
         backoff = Backoff(first=0.5, cap=10.0)
         while not stop.is_set() and self._leads():
@@ -1170,12 +1175,14 @@ class WalCapture:
                      lsn_text(start) if start else "its confirmed position")
             last_feedback = time.monotonic()
             while not stop.is_set() and self._leads():
-                if self.publishing is not None and not self.publishing.is_set():
-                    # Paused with the relay: what is pending stays unconfirmed, and the server's timeout is kept off
-                    # by the status updates.
+                if self._paused():
+                    # Paused with the relay: what is pending stays unconfirmed. Nothing is read meanwhile, so the
+                    # status updates that keep the server's wal_sender_timeout off are forced out (psycopg2 sends
+                    # an unforced one only from inside read_message).
                     if time.monotonic() - last_feedback >= FEEDBACK_INTERVAL:
-                        cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=False)
+                        cur.send_feedback(flush_lsn=self.confirmed_lsn, force=True)
                         last_feedback = time.monotonic()
+                    assert self.publishing is not None  # _paused()
                     self.publishing.wait(PAUSED_LOOK)
                     continue
                 # What the connection holds, up to DRAIN messages before the stop and the lead are looked at again.
@@ -1199,7 +1206,7 @@ class WalCapture:
                     cur.send_feedback(flush_lsn=self.confirmed_lsn, reply=False)
                     last_feedback = time.monotonic()
                 select.select([cur], [], [], 0.5 if held is None else max(0.0, min(0.5, held)))
-            if self.pending.rows:  # a held batch goes out with the stop, not with the next stream
+            if self.pending.rows and not self._paused():  # a held batch goes out with the stop, not the next stream
                 self._flush_and_confirm(cur)
         finally:
             conn.close()

@@ -1015,7 +1015,7 @@ def test_the_log_stream_pauses_with_the_relay_while_the_bus_is_near_its_memory_l
 
     full = UnderMemoryPressure(walcap.bus)
     with relay_beside_log(walcap, bus=full) as (relay, ran):  # type: ignore[arg-type]
-        wait_for(lambda: relay.metrics.value("pollbridge_relay_paused") == 1, 10.0, what="the relay to pause")
+        wait_for(lambda: not relay.publishing.is_set(), 10.0, what="the relay to pause")
         _new_instance(walcap, "mem", ["a", "b"])
         threading.Event().wait(0.5)  # paused: time the stream must not use
         assert sum(w.captured for w in ran) == 0
@@ -1023,6 +1023,34 @@ def test_the_log_stream_pauses_with_the_relay_while_the_bus_is_near_its_memory_l
         full.pressure = 0.5
         wait_for(lambda: sum(w.captured for w in ran) == 2, 20.0, what="the stream to resume")
         assert relay.metrics.value("pollbridge_relay_paused") == 0
+
+
+@pytest.mark.postgres
+def test_a_paused_stream_keeps_its_walsender_past_the_servers_timeout(walcap: Capture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused, the stream reads nothing, so its status updates must go out by themselves (psycopg2 sends an unforced
+    one only from inside read_message): with the server's wal_sender_timeout at 1 s and a pause of three of them,
+    the walsender that streamed before the pause streams after it (it was ended for a replication timeout, and the
+    stream restarted, forgetting what it had decoded and the values it had seen)."""
+    monkeypatch.setenv("PGOPTIONS", "-c wal_sender_timeout=1s")
+    monkeypatch.setattr(wal, "FEEDBACK_INTERVAL", 0.2)
+    full = UnderMemoryPressure(walcap.bus, pressure=0.5)
+    with relay_beside_log(walcap, bus=full) as (relay, ran):  # type: ignore[arg-type]
+        before = _walsender(walcap)
+        full.pressure = 0.97
+        wait_for(lambda: not relay.publishing.is_set(), 10.0, what="the relay to pause")
+        _new_instance(walcap, "slow", ["a"])
+        threading.Event().wait(3.0)  # paused for three of the server's timeouts
+        full.pressure = 0.5
+        wait_for(lambda: sum(w.captured for w in ran) == 1, 20.0, what="the stream to resume")
+        assert _walsender(walcap) == before
+
+
+def _walsender(c: Capture) -> int | None:
+    with c.engine.connect() as conn:
+        pid = conn.exec_driver_sql("SELECT active_pid FROM pg_replication_slots "
+                                   "WHERE database = current_database()").scalar()
+    return None if pid is None else int(pid)
 
 
 def _outbox_count(c: Capture) -> int:

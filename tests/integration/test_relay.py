@@ -442,6 +442,24 @@ def test_relay_pauses_while_the_bus_is_near_its_memory_limit(env: Env, running: 
     assert relay.metrics.value("pollbridge_relay_paused") == 0
 
 
+def test_a_paused_relay_still_purges_what_passed_its_retention(env: Env,
+                                                              running: Callable[[Relay], object]) -> None:
+    """While paused the relay still purges the outbox and trims the bus past the retention window: that trim of what
+    every consumer acknowledged is what gives the bus room again (the pause skipped it, so a bus full of
+    acknowledged entries kept the relay paused for good)."""
+    full = UnderMemoryPressure(env.open_bus(), pressure=0.5)
+    settings = dataclasses.replace(FAST, retention=1.0, purge_interval=0.05)
+    relay = Relay(env.engine, full, settings, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    running(relay)
+    add_tasks(env, "trim", 3)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 3, 10, what="the rows published")
+    full.pressure = 0.97
+    wait_for(lambda: not relay.publishing.is_set(), 10, what="the relay to pause")
+    assert relay.metrics.value("pollbridge_outbox_purged_total") == 0  # inside the retention window still
+    wait_for(lambda: relay.metrics.value("pollbridge_outbox_purged_total") == 3, 10, what="the purge while paused")
+    assert relay.metrics.value("pollbridge_relay_paused") == 1
+
+
 @pytest.mark.redis
 def test_redis_memory_pressure_reads_maxmemory(redis_server: str, redis_namespace: str) -> None:
     import redis

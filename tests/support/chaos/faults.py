@@ -239,6 +239,8 @@ class FaultInjector:
         try:
             pipe = client.pipeline(transaction=False)
             rung: list[int] = []
+            benign: list[str] = []
+            malformed: list[str] = []
             for n in range(self.rng.randint(1, 4) + (2 if final else 0)):
                 marker = f"chaos-malformed-{uuid.uuid4().hex[:12]}"
                 partition = self.rng.randrange(PARTITIONS)
@@ -247,11 +249,13 @@ class FaultInjector:
                 pipe.xadd(stream, fields)
                 rung.append(partition)
                 made.append(variant)
-                if variant in BENIGN:
-                    self.benign.append(marker)
-                else:
-                    self.malformed.append((marker, time.monotonic()))
+                (benign if variant in BENIGN else malformed).append(marker)
             pipe.execute()
+            # Counted as injected only once Redis took them: an injection that failed (Redis restarting) was counted,
+            # and its entries, never written, were then "not dead-lettered" (found by seed 134048612).
+            at = time.monotonic()
+            self.benign += benign
+            self.malformed += [(marker, at) for marker in malformed]
             self._ring(client, rung)
         finally:
             client.close()
