@@ -617,9 +617,8 @@ class WalCapture:
         message = decode(payload)
         if isinstance(message, Relation):
             self.relations[message.relid] = message
+            # Made at the relation's first captured change (_row), where an unknown relation is resolved, as before.
             self._plans.pop(message.relid, None)
-            if self._target(message) == -1:
-                self._plans[message.relid] = _Plan.of(message, self.tables.mapping.columns, self._watched)
         elif isinstance(message, Change):
             self._open()
             self._add(self._row(message))
@@ -699,7 +698,9 @@ class WalCapture:
             return None
         if target >= 0:
             return self._related_row(relation, target, change)
-        plan = self._plans.get(change.relid) or _Plan.of(relation, self.tables.mapping.columns, self._watched)
+        plan = self._plans.get(change.relid)
+        if plan is None:
+            plan = self._plans[change.relid] = _Plan.of(relation, self.tables.mapping.columns, self._watched)
         return self._task_row(plan, change.kind, change.new, change.old, change.old_full)
 
     def _task_row(self, plan: _Plan, kind: str, new: tuple[Value, ...], old: tuple[Value, ...] | None,
@@ -1185,7 +1186,9 @@ class WalCapture:
                     assert self.publishing is not None  # _paused()
                     self.publishing.wait(PAUSED_LOOK)
                     continue
-                # What the connection holds, up to DRAIN messages before the stop and the lead are looked at again.
+                # What the connection holds, up to DRAIN messages or one full batch before the stop, the lead and a
+                # pause are looked at again (a flush can wait for a commit's visibility).
+                flushed = False
                 for _ in range(DRAIN):
                     message = cur.read_message()
                     if message is None:
@@ -1194,7 +1197,11 @@ class WalCapture:
                     if len(self.pending.rows) >= self.batch_rows:
                         self._flush_and_confirm(cur)
                         last_feedback = time.monotonic()
+                        flushed = True
+                        break
                 else:
+                    continue
+                if flushed:
                     continue
                 # Nothing waiting: what is pending goes out now (a batch is what arrived together), unless it is
                 # quiet changes only, which wait for a change that can make a task ready (or their hold's end).

@@ -1026,6 +1026,26 @@ def test_the_log_stream_pauses_with_the_relay_while_the_bus_is_near_its_memory_l
 
 
 @pytest.mark.postgres
+def test_the_stream_looks_at_its_lead_after_each_full_batch(walcap: Capture) -> None:
+    """After a full batch the stream looks at its lead (and its stop and a pause) before it reads on: a relay that
+    lost its partition stops streaming within one batch, not after up to DRAIN more messages (with a small
+    ``batch_rows``, many more batches, each possibly waiting for a commit's visibility)."""
+    for n in range(6):  # six transactions, one change each, all in the log before the stream starts
+        _new_instance(walcap, f"lead{n}", ["a"])
+    leading = threading.Event()
+    leading.set()
+    capture = WalCapture(walcap.engine, walcap.tables, walcap.bus, batch_rows=2, leading=leading,
+                         on_flush=lambda rows: leading.clear())  # the partition lost at the first batch's commit
+    stopped = threading.Event()
+    thread = threading.Thread(target=capture.run, args=(stopped,), daemon=True)
+    thread.start()
+    thread.join(30)
+    stopped.set()
+    assert not thread.is_alive()
+    assert capture.captured == 2
+
+
+@pytest.mark.postgres
 def test_a_paused_stream_keeps_its_walsender_past_the_servers_timeout(walcap: Capture,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Paused, the stream reads nothing, so its status updates must go out by themselves (psycopg2 sends an unforced
