@@ -437,6 +437,10 @@ class Relay:
         self.metrics.paused.set(1 if paused else 0)
         return paused
 
+    def _purge_if_due(self, now: float) -> None:
+        if self._purge_due is not None and now >= self._purge_due:
+            self.purge()
+
     def purge(self) -> int:
         """Delete published rows older than the retention window, in small batches, and trim the bus to the
         same window."""
@@ -567,8 +571,7 @@ class Relay:
                         # The purge goes on: its trim of what every consumer acknowledged is what gives the bus room
                         # again (skipped while paused, a bus full of acknowledged entries kept the relay paused).
                         if now >= next_purge:
-                            if self._purge_due is not None and now >= self._purge_due:
-                                self.purge()
+                            self._purge_if_due(now)
                             next_purge = now + self.settings.purge_interval
                         stop.wait(self.settings.epoch_check_interval)
                         continue
@@ -576,8 +579,7 @@ class Relay:
                         # The bus trim rides on the outbox's purge: its entries are the same publishes. An
                         # entry still unacknowledged at a purge waits for the next one (after the next
                         # publish), which bounds it without an idle relay asking anything.
-                        if self._purge_due is not None and now >= self._purge_due:
-                            self.purge()
+                        self._purge_if_due(now)
                         if handled and self.pg and not self._backlog_due:
                             self._backlog_due = True  # read by the next claim (see __init__)
                         elif handled or self._backlog_due:  # SQLite, or no claim came since the last purge

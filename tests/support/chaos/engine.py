@@ -229,7 +229,7 @@ class Chaos:
                 signals_left = len(self.workload.pending_signals)
             # The malformed entries injected last are read by a scheduler that may still be taking its partitions
             # after the window's kills: asked (a CLI run) only once everything else has settled.
-            malformed = len(missing_malformed(self, dead_letters(self))) if (
+            malformed = len(missing_malformed(self, dead_letters(self, settling=True))) if (
                 not unsettled and not live and not unpublished and not signals_left) else None
             if malformed == 0:
                 self.say("settled: every task finished, every outbox row published, every malformed entry "
