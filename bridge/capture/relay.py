@@ -772,15 +772,17 @@ class Relay:
 
     def _arm(self) -> None:
         """Raise the trigger's flag and note the arming horizon: until every transaction that could have read
-        the flag down has ended, one of them may commit a row without a notification."""
+        the flag down has ended, one of them may commit a row without a notification. Armed (``_armed``) only
+        once the horizon is known: "armed, no horizon" means past it, never "not yet noted" (a test that waited for
+        the relay to settle read that state in between and watched the horizon's probes it had not expected)."""
         with self._begin() as conn:
             conn.execute(self.queries.set_armed(True))
-        self._armed = True
         self._unsafe_wait = self.settings.poll_interval
         # A new window: the busy spell's rate must not disarm it again at the first change that follows.
         self._rate.reset(time.monotonic())
         with self._begin() as conn:
             self._horizon = str(conn.exec_driver_sql(ARM_HORIZON_SQL).scalar_one())
+        self._armed = True
 
     def _horizon_passed(self) -> bool:
         with self._begin() as conn:

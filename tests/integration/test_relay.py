@@ -578,7 +578,8 @@ def _claims(seen: list[tuple[str, object]]) -> int:
 
 def _settled(env: Env, relay: Relay) -> None:
     """Armed, and every transaction that could have missed the flag has ended: the relay sleeps on LISTEN."""
-    wait_for(lambda: _armed(env) and relay._horizon is None, 30, what="the relay to arm and pass its horizon")
+    wait_for(lambda: relay._armed and relay._horizon is None and _armed(env), 30,
+             what="the relay to arm and pass its horizon")
 
 
 def test_on_sqlite_a_relay_woken_by_a_change_claims_without_looking_first(

@@ -26,7 +26,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,8 @@ from typing import IO, Any, Self
 
 import psycopg
 from psycopg import sql
+
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 #: The Airflow DAGs folder of the acceptance test (not a Python package; pytest never collects it).
@@ -130,13 +131,6 @@ def _tail(path: Path, lines: int = 40) -> str:
     except OSError as exc:
         return f"(no log: {exc})"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the kernel's choice; only ever bound on the loopback address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def load_sql_blocks(path: Path = VIEWS_SQL) -> dict[str, str]:

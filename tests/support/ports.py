@@ -1,9 +1,10 @@
 """Free TCP ports on 127.0.0.1 for the servers tests start (one helper for all of them).
 
-A server a test kills and starts again on the same port (a private Redis, a Redis Cluster node, a RabbitMQ node,
-a PostgreSQL) must get a port *below* the kernel's ephemeral range: a port from that range is what every client
-connection takes as its local port, and once the server is down one of the many reconnecting clients can take
-its number, so the server cannot bind it again (seen: a private RabbitMQ node restarted into ``eaddrinuse``).
+Every port is drawn *below* the kernel's ephemeral range: a port from that range is what every client connection
+takes as its local port, so between the moment a port is found free and the moment the server binds it, one of
+the many connections the suite opens can take its number. Seen twice: a private RabbitMQ node restarted into
+``eaddrinuse`` (a server killed and started again on its port), and an Airflow api-server that could not bind the
+port picked before `airflow db migrate` ran (a kernel-chosen port, free at the pick, taken a minute later).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 import socket
 from pathlib import Path
 
-#: Restartable ports are drawn from here up to the ephemeral range's start.
+#: Ports are drawn from here up to the ephemeral range's start.
 LOW = 10_000
 
 
@@ -32,13 +33,9 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_port(*, restartable: bool = False, also: tuple[int, ...] = ()) -> int:
-    """A port free now; ``restartable``: outside the ephemeral range (see the module docstring). ``also``: offsets
-    from it that must be free and restartable too (a Redis Cluster node's bus port is its port + 10000)."""
-    if not restartable:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+def free_port(*, also: tuple[int, ...] = ()) -> int:
+    """A port free now, below the ephemeral range (see the module docstring). ``also``: offsets from it that must
+    be free and below the range too (a Redis Cluster node's bus port is its port + 10000)."""
     top = _ephemeral_start() - 1 - max((0, *also))
     if top <= LOW:
         raise RuntimeError(f"no port below the ephemeral range ({_ephemeral_start()}) leaves room for offsets {also}")

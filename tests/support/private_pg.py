@@ -48,7 +48,7 @@ class PrivatePostgres:
         self.initdb, self.pg_ctl = _bin("initdb"), _bin("pg_ctl")
         self.root = Path(tempfile.mkdtemp(prefix="pb-private-pg-"))
         self.data = self.root / "data"
-        self.port = free_port(restartable=True)
+        self.port = free_port()
         self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self._as:
             shutil.chown(self.root, "postgres", "postgres")

@@ -37,7 +37,7 @@ def _ports(n: int) -> list[int]:
     its own port (tests/support/ports.py)."""
     ports: list[int] = []
     while len(ports) < n:
-        port = free_port(restartable=True, also=(10000,))
+        port = free_port(also=(10000,))
         if not {port, port + 10000} & {q for p in ports for q in (p, p + 10000)}:
             ports.append(port)
     return ports

@@ -116,3 +116,21 @@ def test_no_private_copy_of_a_shared_helper() -> None:
                 if isinstance(node, ast.FunctionDef) and node.name in FORBIDDEN_DEFINITIONS:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} def {node.name}")
     assert not found, "use bridge.core.errors.first_line / bridge.db.clock.as_utc:\n" + "\n".join(found)
+
+
+def test_the_servers_tests_start_take_ports_no_client_connection_can_hold() -> None:
+    """Every test server's port comes from tests/support/ports.py, below the kernel's ephemeral range: a port the
+    kernel chose was taken by some client connection between the pick and `airflow api-server`'s bind a minute
+    later (CI, 2026-12-07: "[Errno 98] address already in use")."""
+    from tests.support.ports import _ephemeral_start, free_port
+
+    ports = {free_port(also=(10_000,)) for _ in range(20)}
+    assert all(port >= 10_000 and port + 10_000 < _ephemeral_start() for port in ports), ports
+    # A port the kernel picks is only safe in the socket it was bound to: the server keeps it, listening at once.
+    pickers = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        pickers += [f"{path.relative_to(ROOT)}:{i + 1}" for i, line in enumerate(lines)
+                    if 'bind(("127.0.0.1", 0))' in line and path.name != "ports.py"
+                    and "listen(" not in lines[i + 1]]
+    assert pickers == [], pickers

@@ -143,7 +143,7 @@ class PrivateRedis:
             raise RuntimeError("redis-server is not installed")
         self.exe = exe
         self.workdir = workdir
-        self.port = port or free_port(restartable=True)  # it is killed and started again on it
+        self.port = port or free_port()  # it is killed and started again on it
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
