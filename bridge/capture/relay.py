@@ -43,7 +43,14 @@ from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import Backlog, read_backlog
 from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, REASSERT_ARMED_SQL, RelayQueries
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
-from bridge.capture.triggers import CAPTURE_CHANGED, NOTIFY_CHANNEL, installed_triggers, is_quiet, quiet_statuses
+from bridge.capture.triggers import (
+    CAPTURE_CHANGED,
+    NOTIFY_CHANNEL,
+    installed_triggers,
+    is_quiet,
+    loud_first,
+    quiet_statuses,
+)
 from bridge.core.backoff import Backoff
 from bridge.core.errors import first_line
 from bridge.core.events import TASK_CHANGES, CloudEvent, EventFormatError, change_event_type, encoded_event
@@ -281,7 +288,9 @@ class Relay:
                 self._loud = 0
                 return 0
             quiet = self._quiet
-            self._loud = sum(1 for r in rows if not is_quiet(r.change, r.new_status, quiet))
+            loud = [r.instance_id for r in rows if not is_quiet(r.change, r.new_status, quiet)]
+            self._loud = len(loud)
+            rows = loud_first(rows, set(loud))
             good: list[Any] = []
             dead: list[tuple[Any, str]] = []
             valid = self._valid_statuses

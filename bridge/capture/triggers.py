@@ -46,8 +46,9 @@ from __future__ import annotations
 import hashlib
 import re
 import sqlite3
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -59,6 +60,8 @@ from bridge.core.settings import WAKE_MODES, WakeMode
 from bridge.db.schema import OUTBOX_CHANNEL
 from bridge.db.sqlblocks import render, sql_literal
 from bridge.tasktable.tables import TaskTable
+
+R = TypeVar("R")
 
 NOTIFY_CHANNEL = OUTBOX_CHANNEL
 #: The payload of the notification that capture triggers were installed or removed (the relays read which).
@@ -388,6 +391,25 @@ def is_quiet(change: object, new_status: object, quiet: frozenset[str]) -> bool:
     """Whether a captured change (its outbox row's ``change`` and ``new_status``) is a quiet one: a status change
     into one of ``quiet`` (:func:`quiet_statuses`), as the trigger's ``notify_unless_quiet`` tests it."""
     return change == "status" and new_status in quiet
+
+
+def loud_first(rows: Sequence[R], loud: Collection[object]) -> list[R]:
+    """A batch's rows (each with an ``instance_id``) in publishing order: those of the instances in ``loud`` (with
+    a change that can make a task ready) first, then the instances whose changes are all quiet, each instance's
+    rows in their order (the bus keeps one instance's events in publish order; between instances there is no
+    order to keep).
+
+    Why: at a trickle a quiet row (a dispatch) waits for the next loud one and goes out in its batch, first by id.
+    The bus wakes a blocked reader at the first write of its partitions, so the scheduler read the quiet event
+    alone, skipped it and came back for the loud one: a round trip to the bus inside every light-load dispatch
+    (``bench.cost``, trigger, 2 completions/s: 1.07 ms of p50 6.65 ms from the completion's commit to the
+    dispatch, traced per stage)."""
+    if not loud:
+        return list(rows)
+    first = [r for r in rows if getattr(r, "instance_id") in loud]  # noqa: B009 (rows of any named-tuple type)
+    if len(first) == len(rows):
+        return first
+    return first + [r for r in rows if getattr(r, "instance_id") not in loud]  # noqa: B009
 
 
 def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_partitions: int, *,

@@ -82,6 +82,7 @@ from bridge.capture.triggers import (
     capture_status,
     capture_target,
     is_quiet,
+    loud_first,
     quiet_statuses,
     related_targets,
 )
@@ -867,7 +868,9 @@ class WalCapture:
                         conn, {"pb_rows": self._rows_document(rows[at:at + self.batch_rows])})]
                     if self.foreign is not None:
                         record_foreign_dispatches(conn, self.foreign, written)
-                    self.bus.publish_in(conn, [encoded_event(*r[:4]) for r in written])
+                    quiet = self._quiet
+                    loud = {r["instance_id"] for r in rows if not is_quiet(r.get("change"), r.get("new_status"), quiet)}
+                    self.bus.publish_in(conn, [encoded_event(*r[:4]) for r in loud_first(written, loud)])
                     if closing is not None:
                         conn.execute(closing)
             except BaseException:

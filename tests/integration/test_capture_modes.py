@@ -12,6 +12,7 @@ scheduler's schema), removed by ``uninstall``.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -40,7 +41,7 @@ from bridge.reconcile.status import gather_status
 from bridge.reference.schema import create_demo_schema
 from bridge.tasktable.tables import reflect_tables
 from tests.support import Audit, wait_for
-from tests.support.buses import UnderMemoryPressure
+from tests.support.buses import Recording, UnderMemoryPressure
 from tests.support.wal import wal_available
 
 #: ``wal-redis``: the log streamed to a bus outside the database (published before the batch's commit; on the
@@ -326,6 +327,41 @@ def test_quiet_changes_wait_for_the_next_change_that_can_make_a_task_ready(walca
         stop.set()
         streamer.join(15)
         assert len(written()) == 9, "a held dispatch is written when the capture stops"
+    finally:
+        stop.set()
+        streamer.join(15)
+
+
+@pytest.mark.postgres
+def test_a_streamed_batch_publishes_the_changes_that_can_make_a_task_ready_first(walcap: Capture) -> None:
+    """Held dispatches go out in the batch of the next change that can make a task ready, after it (the scheduler,
+    woken by the first write, read a dispatch alone and went back to the bus for the change that mattered); one
+    instance's events keep their order."""
+    recording = Recording(walcap.bus)
+    capture = WalCapture(walcap.engine, walcap.tables, recording, hold_quiet=60.0)  # type: ignore[arg-type]
+    stop = threading.Event()
+    streamer = threading.Thread(target=capture.run, args=(stop,), daemon=True)
+    streamer.start()
+    t = walcap.tables.tasks
+
+    def move(*changes: tuple[str, str, str]) -> None:
+        with walcap.engine.begin() as conn:
+            for instance, key, status in changes:
+                conn.execute(t.update().where(t.c.instance_id == instance, t.c.task_key == key).values(status=status))
+
+    try:
+        for instance in ("quiet", "loud", "both"):
+            _new_instance(walcap, instance, ["a", "b"])
+        wait_for(lambda: sum(map(len, recording.published)) == 6, 30.0, what="the inserts published")
+        recording.published.clear()
+        move(("quiet", "a", "queued"))
+        move(("both", "a", "queued"))
+        wait_for(lambda: len(capture.pending.rows) == 2, 10.0, what="the two dispatches held")
+        move(("loud", "a", "completed"), ("both", "b", "completed"))
+        wait_for(lambda: sum(map(len, recording.published)) == 4, 10.0, what="the batch published")
+        published = [(e.partitionkey, json.loads(e.to_json())["data"]["new_status"])
+                     for batch in recording.published for e in batch]
+        assert published == [("both", "queued"), ("loud", "completed"), ("both", "completed"), ("quiet", "queued")]
     finally:
         stop.set()
         streamer.join(15)

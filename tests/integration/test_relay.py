@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from bridge.core.settings import RelaySettings
 from bridge.db.clock import as_utc
 from bridge.db.schema import outbox, outbox_dead, relay_state
 from tests.support import Audit, Env, wait_for, when_waiting
-from tests.support.buses import UnderMemoryPressure, drops_single_entries, lose_bus_data
+from tests.support.buses import Recording, UnderMemoryPressure, drops_single_entries, lose_bus_data
 from tests.support.stacks import ENV_PARAMS_WITH_CLUSTER, make_env
 
 FAST = RelaySettings(poll_interval=0.002, arm_after=0.05, fallback_interval=0.2, epoch_check_interval=0.05,
@@ -104,6 +105,31 @@ def test_a_row_committing_after_larger_ids_is_still_published(env: Env, running:
     everything = outbox_event_ids(env)
     assert len(everything) == 6
     assert audit.collect(everything) == everything
+
+
+def test_a_batch_publishes_the_changes_that_can_make_a_task_ready_first(env: Env) -> None:
+    """A batch's events go out with the instances that have a change that can make a task ready first, then those
+    whose changes are all quiet (dispatches), each instance's in its order. By id a quiet change came first: at a
+    trickle it waits for the next loud one, and the scheduler, woken by the first write, read it alone and went
+    back to the bus for the loud one."""
+    for instance in ("quiet", "loud", "both"):
+        add_tasks(env, instance, 2)
+    recording = Recording(env.open_bus())
+    relay = Relay(env.engine, recording, FAST, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    while relay.publish_batch():
+        pass
+    t = env.tables.tasks
+    recording.published.clear()
+    for instance, key, status in [("quiet", "k0", "queued"), ("both", "k0", "queued"), ("loud", "k0", "completed"),
+                                  ("both", "k1", "completed"), ("quiet", "k1", "queued")]:
+        with env.engine.begin() as conn:
+            conn.execute(t.update().where(t.c.instance_id == instance, t.c.task_key == key).values(status=status))
+    assert relay.publish_batch() == 5
+    assert [[(e.partitionkey, json.loads(e.to_json())["data"]["new_status"]) for e in batch]
+            for batch in recording.published] == [[
+        ("both", "queued"), ("loud", "completed"), ("both", "completed"), ("quiet", "queued"), ("quiet", "queued")]]
+    expected = outbox_event_ids(env)
+    assert Audit(env.open_bus()).collect(expected) == expected
 
 
 def test_malformed_row_is_dead_lettered_and_the_relay_carries_on(env: Env) -> None:

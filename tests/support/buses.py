@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from bridge.bus.base import EventBus
 from bridge.bus.embedded import EmbeddedBus
 from bridge.bus.redis_streams import RedisStreamsBus
+from bridge.core.events import CloudEvent
 from bridge.db.engine import create_engine, db_now
 from bridge.db.schema import bus_log
 from tests.support import clear_redis_namespace
@@ -163,3 +165,23 @@ class UnderMemoryPressure:
 
     def memory_pressure(self) -> float | None:
         return self.pressure
+
+
+class Recording:
+    """A bus that records the events of every publish, in publish order (one list per call); everything else goes to
+    the bus it wraps."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self.published: list[list[CloudEvent]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.bus, name)
+
+    def publish(self, events: Sequence[CloudEvent]) -> None:
+        self.published.append(list(events))
+        self.bus.publish(events)
+
+    def publish_in(self, conn: Connection, events: Sequence[CloudEvent]) -> None:
+        self.published.append(list(events))
+        self.bus.publish_in(conn, events)
