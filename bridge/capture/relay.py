@@ -789,8 +789,14 @@ class Relay:
         self._unsafe_wait = self.settings.poll_interval
         # A new window: the busy spell's rate must not disarm it again at the first change that follows.
         self._rate.reset(time.monotonic())
-        with self._begin() as conn:
-            self._horizon = str(conn.exec_driver_sql(ARM_HORIZON_SQL).scalar_one())
+        try:
+            with self._begin() as conn:
+                self._horizon = str(conn.exec_driver_sql(ARM_HORIZON_SQL).scalar_one())
+        except BaseException:
+            # The flag is up: armed as far as lowering it goes (the way out, a takeover), which a relay that never
+            # raised it skips. The failure ends the cycle, and leadership with it: the next arming starts afresh.
+            self._armed = True
+            raise
         self._armed = True
 
     def _horizon_passed(self) -> bool:

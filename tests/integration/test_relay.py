@@ -608,6 +608,24 @@ def _settled(env: Env, relay: Relay) -> None:
              what="the relay to arm and pass its horizon")
 
 
+def test_an_arming_whose_horizon_failed_leaves_its_flag_to_be_lowered(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag is raised before the arming horizon is read; when that read fails, the relay still counts the flag
+    as its own to lower (on its way out, at a takeover): a relay that counted itself unarmed left it up for good,
+    and every change that can make a task ready notified no one."""
+    if not env.kind.startswith("postgresql"):
+        pytest.skip("SQLite has no NOTIFY flag")
+    import bridge.capture.relay as relay_module
+
+    relay = Relay(env.engine, env.open_bus(), FAST, statuses=env.tables.mapping.statuses)
+    monkeypatch.setattr(relay_module, "ARM_HORIZON_SQL", "SELECT pollbridge_no_such_function()")
+    with pytest.raises(sa.exc.DBAPIError):
+        relay._arm()
+    assert _armed(env)
+    relay._set_armed(False)  # what the relay's way out does
+    assert not _armed(env)
+
+
 def test_on_sqlite_a_relay_woken_by_a_change_claims_without_looking_first(
         env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLite: a commit about data (a task write, whose trigger wrote the outbox row in it) surely woke the idle
