@@ -792,12 +792,11 @@ class Relay:
         try:
             with self._begin() as conn:
                 self._horizon = str(conn.exec_driver_sql(ARM_HORIZON_SQL).scalar_one())
-        except BaseException:
-            # The flag is up: armed as far as lowering it goes (the way out, a takeover), which a relay that never
-            # raised it skips. The failure ends the cycle, and leadership with it: the next arming starts afresh.
+        finally:
+            # Also when the read failed: the flag is up, so armed as far as lowering it goes (the way out, a
+            # takeover), which a relay that never raised it skips. The failure ends the cycle, and leadership with
+            # it: the next arming starts afresh.
             self._armed = True
-            raise
-        self._armed = True
 
     def _horizon_passed(self) -> bool:
         with self._begin() as conn:

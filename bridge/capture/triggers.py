@@ -48,7 +48,7 @@ import re
 import sqlite3
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -61,7 +61,13 @@ from bridge.db.schema import OUTBOX_CHANNEL
 from bridge.db.sqlblocks import render, sql_literal
 from bridge.tasktable.tables import TaskTable
 
-R = TypeVar("R")
+
+class _OfInstance(Protocol):
+    @property
+    def instance_id(self) -> Any: ...
+
+
+R = TypeVar("R", bound=_OfInstance)
 
 NOTIFY_CHANNEL = OUTBOX_CHANNEL
 #: The payload of the notification that capture triggers were installed or removed (the relays read which).
@@ -406,10 +412,10 @@ def loud_first(rows: Sequence[R], loud: Collection[object]) -> list[R]:
     dispatch, traced per stage)."""
     if not loud:
         return list(rows)
-    first = [r for r in rows if getattr(r, "instance_id") in loud]  # noqa: B009 (rows of any named-tuple type)
+    first = [r for r in rows if r.instance_id in loud]
     if len(first) == len(rows):
         return first
-    return first + [r for r in rows if getattr(r, "instance_id") not in loud]  # noqa: B009
+    return first + [r for r in rows if r.instance_id not in loud]
 
 
 def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_partitions: int, *,

@@ -1191,20 +1191,18 @@ class WalCapture:
                     continue
                 # What the connection holds, up to DRAIN messages or one full batch before the stop, the lead and a
                 # pause are looked at again (a flush can wait for a commit's visibility).
-                flushed = False
+                drained = False
                 for _ in range(DRAIN):
                     message = cur.read_message()
                     if message is None:
+                        drained = True
                         break
                     self.handle(message.payload)
                     if len(self.pending.rows) >= self.batch_rows:
                         self._flush_and_confirm(cur)
                         last_feedback = time.monotonic()
-                        flushed = True
                         break
-                else:
-                    continue
-                if flushed:
+                if not drained:
                     continue
                 # Nothing waiting: what is pending goes out now (a batch is what arrived together), unless it is
                 # quiet changes only, which wait for a change that can make a task ready (or their hold's end).

@@ -64,8 +64,8 @@ class PrivateNode:
 
     base: Path
     name: str = field(default_factory=lambda: f"pbfault{uuid.uuid4().hex[:8]}@localhost")
-    port: int = field(default_factory=lambda: free_port())
-    dist_port: int = field(default_factory=lambda: free_port())
+    port: int = field(default_factory=free_port)
+    dist_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
