@@ -219,6 +219,9 @@ class BusLeases(ABC):
 
 class EventBus(ABC):
     partitions: int
+    #: Whether the bus lives in pollbridge's database (embedded): its ``publish_in`` writes through the caller's
+    #: transaction, so a publish apart from one (the relay's publish of a notified event) gains nothing.
+    in_database = False
 
     @abstractmethod
     def publish(self, events: Sequence[CloudEvent]) -> None: ...

@@ -182,6 +182,8 @@ def _wakeup_for(engine: Engine, listen: bool) -> _Wakeup:
 class EmbeddedBus(EventBus):
     """The bus inside pollbridge's database (SQLite or PostgreSQL). Thread-safe."""
 
+    in_database = True
+
     def __init__(self, engine: Engine, *, partitions: int = 8, poll_interval: float = 0.01,
                  listen: bool = True) -> None:
         """``listen`` (``[bus] listen``, PostgreSQL): NOTIFY on publish, LISTEN while a reader waits."""

@@ -14,6 +14,9 @@ class RelayMetrics:
                                 "Age of the oldest unpublished outbox row", ["partition"], registry=registry)
         self.published = Counter("pollbridge_relay_published", "Outbox rows published to the bus",
                                  registry=registry)
+        self.noticed = Counter("pollbridge_relay_notified_published",
+                               "Events published from their capture notification, before the claim marked their rows",
+                               registry=registry)
         self.batch_size = Histogram("pollbridge_relay_batch_size", "Rows per published batch", registry=registry,
                                     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
         self.publish_latency = Histogram(

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
 from bridge.core.events import SOURCE, SPECVERSION, TASK_SIGNAL_RECEIVED, TASK_STATUS_CHANGED
@@ -21,12 +22,12 @@ from bridge.db.engine import db_now
 from bridge.db.schema import outbox, outbox_dead, relay_state
 
 
-def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
+def event_payload_sql(dialect_name: str, o: Any = outbox.c) -> sa.ColumnElement[str]:
     """The CloudEvent JSON of an outbox row, built by the database (C speed, off the relay's GIL).
 
     Equivalent to ``row_to_event(row).to_json()`` up to key order and whitespace; the relay uses it
-    only for rows that pass the same validation ``row_to_event`` does."""
-    o = outbox.c
+    only for rows that pass the same validation ``row_to_event`` does. ``o``: the row's columns (the
+    outbox's; the capture trigger's notice passes its record's, :func:`event_notice_sql`)."""
     if dialect_name == "postgresql":
         build = sa.func.json_build_object
         time = sa.func.to_char(sa.func.timezone("UTC", o.created_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
@@ -48,6 +49,25 @@ def event_payload_sql(dialect_name: str) -> sa.ColumnElement[str]:
                      "partitionkey", o.instance_id,
                      "depth", sa.case((o.depth > 0, o.depth), else_=0), "traceid", o.trace_id, "data", data)
     return sa.cast(envelope, sa.Text).label("payload")
+
+
+#: The prefix of a notification that carries its change's event: ``e:<relay partition>:<event JSON>``.
+EVENT_NOTICE = "e:"
+#: PostgreSQL refuses a notification payload of 8,000 bytes or more; a longer notice is sent empty (the claim
+#: publishes the event).
+NOTICE_LIMIT = 7900
+
+
+def event_notice_sql(record: str) -> str:
+    """The capture trigger's notice for the outbox row it just inserted (a PL/pgSQL ``record`` named
+    ``record`` holding the row's columns): :data:`EVENT_NOTICE`, the relay partition and the event JSON of
+    :func:`event_payload_sql`, the same document the claim builds for that row."""
+    names = ("id", "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
+             "new_status", "attempt", "depth", "trace_id", "relay_partition", "created_at")
+    row = sa.table(record, *(sa.column(n, outbox.c[n].type) for n in names)).c
+    payload = event_payload_sql("postgresql", row)
+    text = str(payload.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))  # type: ignore[no-untyped-call]
+    return f"'{EVENT_NOTICE}' || {record}.relay_partition || ':' || {text}"
 
 
 def claim_statement(dialect_name: str, partition: int, batch_size: int) -> sa.Update:

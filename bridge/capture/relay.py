@@ -41,7 +41,13 @@ from bridge.capture.evidence import record_foreign_dispatches
 from bridge.capture.leadership import Leadership, ensure_state_row, leadership_for
 from bridge.capture.metrics import RelayMetrics
 from bridge.capture.outbox import Backlog, read_backlog
-from bridge.capture.queries import ARM_HORIZON_SQL, HORIZON_PASSED_SQL, REASSERT_ARMED_SQL, RelayQueries
+from bridge.capture.queries import (
+    ARM_HORIZON_SQL,
+    EVENT_NOTICE,
+    HORIZON_PASSED_SQL,
+    REASSERT_ARMED_SQL,
+    RelayQueries,
+)
 from bridge.capture.queries import event_payload_sql as event_payload_sql  # re-exported: tests import it here
 from bridge.capture.triggers import (
     CAPTURE_CHANGED,
@@ -71,6 +77,9 @@ CHANGES = TASK_CHANGES
 EMBEDDED_IDLE_PROBE = 0.02
 #: The window over which the relay measures its change rate (``adaptive``: notify or poll).
 RATE_WINDOW = 1.0
+#: At most this many ids of notified events waiting for the claim that marks them (more are ids another relay
+#: claimed; forgetting one costs a duplicate publish at most).
+NOTICED_LIMIT = 10_000
 
 
 def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
@@ -267,6 +276,12 @@ class Relay:
         #: claim's rows were not such changes: only those count towards ``notify_max_rate``.
         self._quiet = frozenset(quiet_statuses(statuses)) if statuses is not None else frozenset()
         self._loud = 0
+        #: The outbox ids of the events published from their notifications (:meth:`_publish_notices`), which the
+        #: claim that marks them published does not publish again.
+        self._noticed: set[int] = set()
+        #: Whether a notified event may be published before the claim: the bus publishes apart from the claim's
+        #: transaction, and the event needs nothing the claim adds (the causation depth read from the chain).
+        self._notices = self.pg and not bus.in_database and depth_of is None
         ensure_state_row(engine, partition)
 
     # --- one batch ----------------------------------------------------------------------------------
@@ -310,10 +325,13 @@ class Relay:
                 # ``mapping.columns.spawned_by``: the capture trigger cannot know the depth (a walk up the chain
                 # inside the scheduler's write); one query per batch here, and the events carry it.
                 depths = self.depth_of(conn, [str(r.task_id) for r in good])
+            sent = self._noticed
+            if sent:  # published from their notifications already: marked here, not published again
+                self._noticed = sent.difference(r.id for r in rows)
             events: list[CloudEvent] = [
                 encoded_event(r.event_id, r.instance_id, r.task_id,
                               _with_depth(r.payload, depths.get(str(r.task_id), 0)) if depths else r.payload)
-                for r in good]
+                for r in good if r.id not in sent]
             if self.foreign is not None and good:
                 # Before the publish: a database error here happens before anything reached the bus.
                 record_foreign_dispatches(conn, self.foreign, good)
@@ -326,6 +344,51 @@ class Relay:
                 conn.execute(self.queries.delete_rows([r.id for r, _ in dead]))
         self._record(good, len(dead))
         return len(rows)
+
+    def _publish_notices(self, waiter: Waiter) -> None:
+        """Publish the events the capture trigger sent in its notifications (``send_event``: the first notifying
+        change of each transaction) at once, before the claim that marks their rows published.
+
+        At a trickle this takes the claim's two round trips (its ``BEGIN`` and its statement) out of the path
+        from a completion's commit to the dispatch it makes possible. At least once still holds: the outbox
+        row stays unpublished until the claim marks it, so a publish lost here (a failure, a crash before the
+        claim) is made again by the claim, a duplicate with the same event id. A notice this relay cannot use
+        (another partition's, unreadable, a row the claim would dead-letter) is left to the claim."""
+        notices = waiter.take_notices(EVENT_NOTICE)
+        if not notices or not self._notices:
+            return
+        prefix = f"{EVENT_NOTICE}{self.partition}:"
+        valid = self._valid_statuses
+        found: list[tuple[int, CloudEvent]] = []
+        for notice in notices:
+            if not notice.startswith(prefix):
+                continue
+            payload = notice[len(prefix):]
+            try:
+                doc = json.loads(payload)
+                data = doc["data"]
+                version = int(data["version"])
+                if not (data["task_id"] and data["instance_id"] and data["task_key"] and data["change"] in CHANGES
+                        and (valid is None or all(data[k] is None or data[k] in valid
+                                                  for k in ("new_status", "old_status")))):
+                    continue
+                found.append((version, encoded_event(str(doc["id"]), str(doc["partitionkey"]), str(doc["subject"]),
+                                                     payload)))
+            except (ValueError, KeyError, TypeError):
+                continue  # the claim publishes it, or dead-letters it with the reason
+        if not found:
+            return
+        found.sort(key=lambda f: f[0])  # the outbox's order
+        try:
+            self.bus.publish([event for _, event in found])
+        except Exception as exc:  # the claim that follows publishes them (and meets the outage itself)
+            log.info("relay partition %d: publishing %d notified event(s) failed (%s); the claim publishes them",
+                     self.partition, len(found), first_line(exc))
+            return
+        if len(self._noticed) > NOTICED_LIMIT:  # ids no claim of this relay took (another relay's): forgotten
+            self._noticed.clear()
+        self._noticed.update(version for version, _ in found)
+        self.metrics.noticed.inc(len(found))
 
     def _record(self, published: Sequence[Any], dead: int) -> None:
         self.metrics.published.inc(len(published))
@@ -427,6 +490,8 @@ class Relay:
             conn.execute(self.queries.set_bus_epoch(json.dumps({str(p): t for p, t in sorted(epochs.items())})))
         self._epochs = epochs
         if lost:
+            # A notified event published before the loss may be gone with it: the claim publishes every row again.
+            self._noticed.clear()
             self.metrics.bus_resets.inc()
             self.metrics.republished.inc(count)
             which = "every partition" if len(lost) == len(epochs) else f"partition(s) {lost}"
@@ -556,6 +621,7 @@ class Relay:
                             else:
                                 log.info("relay %s holds partition %d", self.leadership.holder, self.partition)
                             standby_of = None
+                            self._noticed.clear()  # kept from an earlier lead: another relay claimed those rows
                             self._armed = True
                             self._set_armed(False)
                         if not leader:  # a hot standby: retry soon so a takeover is quick
@@ -623,6 +689,7 @@ class Relay:
                     # A claim that took less than a batch took all there was: no second, empty claim to be
                     # sure (at a trickle that confirmation was a transaction per change).
                     self._idle_listening(waiter, last_rows, until)
+                    self._publish_notices(waiter)
                 except Exception as exc:  # the relay must survive any outage and retry
                     self.metrics.errors.labels(kind=type(exc).__name__).inc()
                     pause = backoff.next()

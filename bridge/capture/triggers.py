@@ -54,6 +54,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import NoSuchTableError
 
+from bridge.capture.queries import NOTICE_LIMIT, event_notice_sql
 from bridge.core.errors import MappingMismatch
 from bridge.core.mapping import RelatedTable, StatusValues
 from bridge.core.settings import WAKE_MODES, WakeMode
@@ -429,12 +430,15 @@ def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_p
     if relay_partitions > 1:
         partition_expr = f"mod(hashtext({values['partition_key']}) & 2147483647, {int(relay_partitions)})"
     notify = ""
+    # A related change writes its rows in one statement, with no record of them to send: it notifies empty.
+    send = render("postgresql", "send_empty") if many else render(
+        "postgresql", "send_event", notice=event_notice_sql("pb_row"), limit=str(NOTICE_LIMIT))
     if wake == "notify":
-        notify = render("postgresql", "notify_always")
+        notify = render("postgresql", "notify_always", send=send)
     elif wake == "adaptive":
         # A related change may concern tasks of several relay partitions: wake if any relay is armed.
         notify = render("postgresql", "notify_when_any_armed" if many else "notify_when_armed",
-                        relay_state=f"{home}.pollbridge_relay_state")
+                        relay_state=f"{home}.pollbridge_relay_state", send=send)
     if notify and quiet:
         notify = render("postgresql", "notify_unless_quiet", notify=notify,
                         quiet=", ".join(sql_literal(v) for v in quiet))

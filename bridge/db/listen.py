@@ -48,6 +48,16 @@ class Waiter:
         taken, self._payloads = self._payloads, set()
         return taken
 
+    def take_notices(self, prefix: str) -> list[str]:
+        """The payloads starting with ``prefix`` received since last taken, taken out (the others stay for
+        :meth:`take_payloads`)."""
+        if not self._payloads:
+            return []
+        taken = [p for p in self._payloads if p.startswith(prefix)]
+        if taken:
+            self._payloads.difference_update(taken)
+        return taken
+
     def wait(self, timeout: float) -> bool:
         self.stop.wait(timeout)
         return False

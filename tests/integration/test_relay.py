@@ -890,3 +890,127 @@ def test_an_acknowledged_write_that_vanished_renews_its_partitions_epoch(env: En
     on_one = 2 + (1 if partition_for("other-" + name, bus.partitions) == 1 else 0)
     assert relay.metrics.value("pollbridge_relay_republished_total") == on_one
     wait_for(lambda: bus.client.xlen(stream) >= on_one + 1, 10, what="the partition republished")
+
+
+def _gated(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the relay's claims until the returned gate is set; the other event is set when a claim is held."""
+    gate, held = threading.Event(), threading.Event()
+    claim = relay.publish_batch
+
+    def gated() -> int:
+        held.set()
+        assert gate.wait(30), "the test never opened the gate"
+        return claim()
+
+    monkeypatch.setattr(relay, "publish_batch", gated)
+    return gate, held
+
+
+def _unpublished(env: Env) -> list[str]:
+    with env.engine.connect() as conn:
+        return list(conn.execute(sa.select(outbox.c.event_id).where(outbox.c.published_at.is_(None))).scalars())
+
+
+def test_a_notified_change_reaches_the_bus_before_its_claim_and_only_once(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture trigger's notification carries its change's event, and the relay publishes it as soon as it hears
+    it, before the claim (at a trickle the claim's BEGIN and statement were two round trips between a completion's
+    commit and the dispatch it makes possible). The claim then marks the row published without a second publish.
+    A bus inside the database (embedded) gains nothing from it: there the claim publishes, as before."""
+    _postgres_only(env)
+    bus = Recording(env.open_bus())
+    relay = Relay(env.engine, bus, LISTENING, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    audit = Audit(env.open_bus())
+    running(relay)
+    _settled(env, relay)
+    gate, held = _gated(relay, monkeypatch)
+    add_tasks(env, "noticed", 1)
+    assert held.wait(10), "the notification did not wake the relay"
+    [event_id] = _unpublished(env)  # the claim is held: the row is not marked yet
+    if env.bus_url is None:
+        assert bus.published == [], "an embedded bus publishes in the claim's transaction"
+    else:
+        assert audit.collect({event_id}, timeout=10) == {event_id}, "not on the bus before its claim"
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+    gate.set()
+    wait_for(lambda: not _unpublished(env), 10, what="the claim to mark the row published")
+    add_tasks(env, "after", 1)  # a later change, so that a second publish of the first would be on the bus by now
+    everything = outbox_event_ids(env)
+    assert audit.collect(everything) == everything
+    ids = [d.event.id for d in audit.seen if d.event is not None]
+    assert sorted(ids) == sorted(everything), f"published twice: {ids}"
+    assert relay.metrics.value("pollbridge_relay_published_total") == 2
+
+
+def test_a_bus_loss_before_the_claim_publishes_a_notified_change_again(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event published from its notification and lost with the bus before its claim marked the row: the claim
+    publishes it again (it was skipped as published already, and the row counted as published before the loss)."""
+    _postgres_only(env)
+    if env.bus_url is None:
+        pytest.skip("the embedded bus lives in the database: it is lost only with the database")
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    Audit(env.open_bus())  # a group, so that what is published is kept until read
+    running(relay)
+    _settled(env, relay)
+    gate, held = _gated(relay, monkeypatch)
+    add_tasks(env, "lost", 1)
+    assert held.wait(10), "the notification did not wake the relay"
+    [event_id] = _unpublished(env)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_notified_published_total") == 1, 10,
+             what="the notified event published")
+    lose_bus_data(env.bus_url, env.open_bus())
+    assert relay.check_bus_epoch()  # what the held loop does at its next epoch check
+    gate.set()
+    assert Audit(env.open_bus(), "after").collect({event_id}) == {event_id}, "lost with the bus"
+
+
+def test_the_trigger_notifies_the_event_of_the_first_change_of_a_transaction(env: Env) -> None:
+    """What the notification carries is the event the claim builds for the row, and only the first notifying change
+    of a transaction sends one (the others notify empty and are folded): a transaction of a thousand rows is not a
+    thousand notifications. A notice too long for NOTIFY is sent empty, and the claim publishes its event."""
+    _postgres_only(env)
+    import psycopg
+
+    from bridge.capture.queries import EVENT_NOTICE, event_payload_sql
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    relay._set_armed(True)  # the adaptive trigger notifies only while its relay is armed
+    url = env.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    def heard(write: Callable[[], None]) -> list[str]:
+        with psycopg.connect(url, autocommit=True) as listener:
+            listener.execute(f"LISTEN {OUTBOX_CHANNEL}")
+            listener.execute("LISTEN pollbridge_test_sentinel")
+            write()
+            with env.engine.begin() as conn:
+                conn.exec_driver_sql("NOTIFY pollbridge_test_sentinel")
+            payloads = []
+            for n in listener.notifies(timeout=10):
+                if n.channel == "pollbridge_test_sentinel":
+                    return payloads
+                payloads.append(n.payload)
+        raise AssertionError("the sentinel notification never came")
+
+    payloads = heard(lambda: add_tasks(env, "three", 3))
+    assert len(payloads) == 2 and "" in payloads, payloads
+    [notice] = [p for p in payloads if p]
+    assert notice.startswith(f"{EVENT_NOTICE}0:")
+    sent = json.loads(notice[len(EVENT_NOTICE) + 2:])
+    with env.engine.connect() as conn:
+        built = conn.execute(sa.select(event_payload_sql("postgresql"))
+                             .where(outbox.c.id == sent["data"]["version"])).scalar_one()
+        first = conn.execute(sa.select(sa.func.min(outbox.c.id))).scalar_one()
+    assert sent == json.loads(built)
+    assert sent["data"]["version"] == first and sent["data"]["task_key"] == "k0"
+
+    def long_key() -> None:
+        with env.engine.begin() as conn:
+            conn.execute(env.tables.instances.insert().values(id="long", workflow_type="orders"))  # type: ignore[union-attr]
+            conn.execute(env.tables.tasks.insert().values(instance_id="long", task_key="k" * 8000, depends_on=[]))
+
+    assert heard(long_key) == [""]
+    while relay.publish_batch():
+        pass
+    assert not _unpublished(env)

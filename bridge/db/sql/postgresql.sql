@@ -14,8 +14,8 @@ CREATE FUNCTION $function() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = $search_path AS $$pollbridge$$
 DECLARE
   pb_change text := 'insert';
-  pb_partition integer;
-  pb_status text;
+  pb_row record;
+  pb_notice text;
 BEGIN
   -- SECURITY DEFINER: pollbridge's tables are written with the rights of the role that ran `pollbridge
   -- init`, so a scheduler whose role has rights on its own table only keeps writing it.
@@ -41,7 +41,10 @@ BEGIN
          CASE WHEN TG_OP = 'UPDATE' THEN $old_status END, $new_status, $attempt, $depth,
          replace(gen_random_uuid()::text, '-', ''), $partition_expr, clock_timestamp()
   WHERE NOT EXISTS (SELECT FROM ONLY $table WHERE false)
-  RETURNING relay_partition, new_status INTO pb_partition, pb_status;
+  -- A record, not the outbox's row type: a session keeps the function's plan, and a row type resolved then would go stale
+  -- when a later migration of pollbridge's adds an outbox column.
+  RETURNING id, event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
+            depth, trace_id, relay_partition, created_at INTO pb_row;
   $notify
   RETURN NULL;
 END
@@ -100,23 +103,43 @@ REVOKE ALL ON FUNCTION $function() FROM PUBLIC
 COMMENT ON FUNCTION $function() IS $comment
 
 -- name: notify_always
-PERFORM pg_notify('pollbridge_outbox', '');
+$send
 
 -- name: notify_when_armed
-IF EXISTS (SELECT 1 FROM $relay_state WHERE relay_partition = pb_partition AND armed) THEN
-    PERFORM pg_notify('pollbridge_outbox', '');
+IF EXISTS (SELECT 1 FROM $relay_state WHERE relay_partition = pb_row.relay_partition AND armed) THEN
+    $send
   END IF;
+
+-- name: send_empty
+PERFORM pg_notify('pollbridge_outbox', '');
+
+-- name: send_event
+-- The first notifying change of a transaction carries its event, which the relay publishes as soon as it hears
+-- it, before its claim (the claim then marks the row published without publishing it again); the others
+-- notify empty, folded into one by PostgreSQL, and ride on the claim. A transaction-local setting says which is
+-- first: it survives this function's exit (only the function's own SET clause is undone there) and ends with
+-- the transaction, or with a subtransaction rolled back together with its notification.
+IF coalesce(current_setting('pollbridge.event_noticed', true), '') = '' THEN
+      PERFORM set_config('pollbridge.event_noticed', 'on', true);
+      pb_notice := $notice;
+      IF octet_length(pb_notice) >= $limit THEN
+        pb_notice := '';
+      END IF;
+      PERFORM pg_notify('pollbridge_outbox', pb_notice);
+    ELSE
+      PERFORM pg_notify('pollbridge_outbox', '');
+    END IF;
 
 -- name: notify_unless_quiet
 -- A status change into a value that cannot make any task ready (dispatched: $quiet) wakes no relay:
 -- its row waits for the next claim (the next change that notifies, or the relay's idle probe).
-IF pb_change <> 'status' OR pb_status IS NULL OR pb_status NOT IN ($quiet) THEN
+IF pb_change <> 'status' OR pb_row.new_status IS NULL OR pb_row.new_status NOT IN ($quiet) THEN
   $notify
   END IF;
 
 -- name: notify_when_any_armed
 IF EXISTS (SELECT 1 FROM $relay_state WHERE armed) THEN
-    PERFORM pg_notify('pollbridge_outbox', '');
+    $send
   END IF;
 
 -- name: notify_capture_changed
