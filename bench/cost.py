@@ -493,10 +493,13 @@ def check(setup: Setup, t0: Any, t1: Any) -> dict[str, Any]:
             "doubled": verdict.double_dispatched, "early": verdict.early, "problems": list(verdict.problems[:5])}
 
 
-#: Where a dispatch's latency went: from the upstream's completion to its captured change's publication (the
-#: completer's commit, the capture, the relay's wake-up and claim: the outbox row's ``published_at``, set by the
-#: claim's statement or by the log's batch), and from there to the dispatch (the bus, the scheduler's wake-up,
-#: its read, evaluation and compare-and-set).
+#: Where a dispatch's latency went: from the upstream's completion to its outbox row's ``published_at`` (set by
+#: the relay's claim or by the log's batch), and from there to the dispatch. With the log, and with triggers
+#: before the relay published events from their notifications, that mark was the publication (the completer's
+#: commit, the capture, the relay's wake-up and claim; then the bus, the scheduler's wake-up, its read, evaluation
+#: and compare-and-set). A trigger's notified event is published before the claim marks its row, so there the
+#: first stage ends after the publish and the second can be negative: they say when the claim came, not where
+#: the dispatch's time went.
 _STAGES = {
     "postgresql": ("extract(epoch FROM o.published_at - p.completed_at) * 1000",
                    "extract(epoch FROM l.dispatched_at - o.published_at) * 1000"),
@@ -548,7 +551,7 @@ def run(configs: list[Config], rates: list[float], seconds: float, settle: float
                       f"{_or(r['statements_per_completion'])} statements per completion, "
                       f"{_or(r.get('transactions_per_s'))} transactions/s, {r['statements_per_s']} statements/s, "
                       f"p50 {_or(r['p50_ms'])} ms p99 {_or(r['p99_ms'])} ms (n={r['latency']['n']}; p50 "
-                      f"{_or(r['stages']['completed_to_published']['p50_ms'])} ms to the publication, "
+                      f"{_or(r['stages']['completed_to_published']['p50_ms'])} ms to the outbox's published_at, "
                       f"{_or(r['stages']['published_to_dispatched']['p50_ms'])} ms from it to the dispatch), "
                       f"stranded {r['stranded']}, others {r['load']['other_cpu_pct']}% of a core", flush=True)
     return results

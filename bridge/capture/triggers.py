@@ -38,7 +38,9 @@ Wake-up modes (PostgreSQL; SQLite has no NOTIFY and always probes):
   empty for a while; under load the trigger reads one flag row and never notifies.
 
 In both, a status change into a dispatched value notifies no one (:func:`quiet_statuses`): it cannot make a
-task ready, and its row is published with the relay's next claim.
+task ready, and its row is published with the relay's next claim. The first notifying change of a transaction
+sends its event in the notification (``send_event``: :func:`bridge.capture.queries.event_notice_sql`), which the
+relay publishes before its claim; the others notify empty (a related table's change always does).
 """
 
 from __future__ import annotations
