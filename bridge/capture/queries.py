@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -56,18 +57,22 @@ EVENT_NOTICE = "e:"
 #: PostgreSQL refuses a notification payload of 8,000 bytes or more; a longer notice is sent empty (the claim
 #: publishes the event).
 NOTICE_LIMIT = 7900
+#: The capture trigger sends an event only when none of the first this many unpublished rows of its partition is
+#: of the same instance (and fewer wait): an event published before its claim must not overtake an earlier change
+#: of its instance (``send_event``).
+NOTICE_LOOKBACK = 16
 
 
-def event_notice_sql(record: str) -> str:
-    """The capture trigger's notice for the outbox row it just inserted (a PL/pgSQL ``record`` named
-    ``record`` holding the row's columns): :data:`EVENT_NOTICE`, the relay partition and the event JSON of
-    :func:`event_payload_sql`, the same document the claim builds for that row."""
+def event_notice_sql(prefix: str) -> str:
+    """The capture trigger's notice for the outbox row it just inserted, whose columns it holds in PL/pgSQL
+    variables named ``prefix`` + column (``capture_function``): :data:`EVENT_NOTICE`, the relay partition and the
+    event JSON of :func:`event_payload_sql`, the same document the claim builds for that row."""
     names = ("id", "event_id", "task_id", "instance_id", "workflow_type", "task_key", "change", "old_status",
              "new_status", "attempt", "depth", "trace_id", "relay_partition", "created_at")
-    row = sa.table(record, *(sa.column(n, outbox.c[n].type) for n in names)).c
+    row = SimpleNamespace(**{n: sa.literal_column(prefix + n, outbox.c[n].type) for n in names})
     payload = event_payload_sql("postgresql", row)
     text = str(payload.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))  # type: ignore[no-untyped-call]
-    return f"'{EVENT_NOTICE}' || {record}.relay_partition || ':' || {text}"
+    return f"'{EVENT_NOTICE}' || {prefix}relay_partition || ':' || {text}"
 
 
 def claim_statement(dialect_name: str, partition: int, batch_size: int) -> sa.Update:

@@ -276,9 +276,14 @@ class Relay:
         #: claim's rows were not such changes: only those count towards ``notify_max_rate``.
         self._quiet = frozenset(quiet_statuses(statuses)) if statuses is not None else frozenset()
         self._loud = 0
-        #: The outbox ids of the events published from their notifications (:meth:`_publish_notices`), which the
-        #: claim that marks them published does not publish again.
-        self._noticed: set[int] = set()
+        #: The events published from their notifications (:meth:`_publish_notices`), outbox id → event id: the
+        #: claim that marks such a row published does not publish it again. Both must match: anyone who can connect
+        #: can NOTIFY, and a made-up notice must not make the claim skip a real row (its event id is a random UUID
+        #: only those who can read the outbox know).
+        self._noticed: dict[int, str] = {}
+        #: The largest outbox id a claim of this relay took: a notice of a row at or below it is stale (read after
+        #: the claims of a busy spell took its row), and publishing it would only be a duplicate.
+        self._claimed_to = 0
         #: Whether a notified event may be published before the claim: the bus publishes apart from the claim's
         #: transaction, and the event needs nothing the claim adds (the causation depth read from the chain).
         self._notices = self.pg and not bus.in_database and depth_of is None
@@ -325,9 +330,13 @@ class Relay:
                 # ``mapping.columns.spawned_by``: the capture trigger cannot know the depth (a walk up the chain
                 # inside the scheduler's write); one query per batch here, and the events carry it.
                 depths = self.depth_of(conn, [str(r.task_id) for r in good])
-            sent = self._noticed
-            if sent:  # published from their notifications already: marked here, not published again
-                self._noticed = sent.difference(r.id for r in rows)
+            self._claimed_to = max(self._claimed_to, max(r.id for r in rows))
+            sent: set[int] = set()
+            if self._noticed:  # published from their notifications already: marked here, not published again
+                noticed = self._noticed
+                sent = {r.id for r in good if noticed.get(r.id) == r.event_id}
+                for r in rows:
+                    noticed.pop(r.id, None)
             events: list[CloudEvent] = [
                 encoded_event(r.event_id, r.instance_id, r.task_id,
                               _with_depth(r.payload, depths.get(str(r.task_id), 0)) if depths else r.payload)
@@ -353,13 +362,15 @@ class Relay:
         from a completion's commit to the dispatch it makes possible. At least once still holds: the outbox
         row stays unpublished until the claim marks it, so a publish lost here (a failure, a crash before the
         claim) is made again by the claim, a duplicate with the same event id. A notice this relay cannot use
-        (another partition's, unreadable, a row the claim would dead-letter) is left to the claim."""
+        (another partition's, unreadable, a row the claim would dead-letter) is left to the claim, and so is one
+        of a row a claim may have taken already (at or below the largest id claimed: a notice read after a busy
+        spell's claims); leaving one to the claim only costs its latency."""
         notices = waiter.take_notices(EVENT_NOTICE)
         if not notices or not self._notices:
             return
         prefix = f"{EVENT_NOTICE}{self.partition}:"
         valid = self._valid_statuses
-        found: list[tuple[int, CloudEvent]] = []
+        found: list[tuple[int, CloudEvent]] = []  # (outbox id, event)
         for notice in notices:
             if not notice.startswith(prefix):
                 continue
@@ -368,14 +379,16 @@ class Relay:
                 doc = json.loads(payload)
                 data = doc["data"]
                 version = int(data["version"])
+                if version <= self._claimed_to:
+                    continue
                 if not (data["task_id"] and data["instance_id"] and data["task_key"] and data["change"] in CHANGES
                         and (valid is None or all(data[k] is None or data[k] in valid
                                                   for k in ("new_status", "old_status")))):
                     continue
                 found.append((version, encoded_event(str(doc["id"]), str(doc["partitionkey"]), str(doc["subject"]),
                                                      payload)))
-            except (ValueError, KeyError, TypeError):
-                continue  # the claim publishes it, or dead-letters it with the reason
+            except Exception:  # anything unreadable (anyone can NOTIFY; a deep JSON raises RecursionError)
+                continue  # is the claim's: it publishes the row, or dead-letters it with the reason
         if not found:
             return
         found.sort(key=lambda f: f[0])  # the outbox's order
@@ -387,7 +400,7 @@ class Relay:
             return
         if len(self._noticed) > NOTICED_LIMIT:  # ids no claim of this relay took (another relay's): forgotten
             self._noticed.clear()
-        self._noticed.update(version for version, _ in found)
+        self._noticed.update((version, event.id) for version, event in found)
         self.metrics.noticed.inc(len(found))
 
     def _record(self, published: Sequence[Any], dead: int) -> None:
@@ -625,6 +638,10 @@ class Relay:
                             self._armed = True
                             self._set_armed(False)
                         if not leader:  # a hot standby: retry soon so a takeover is quick
+                            # Not listening meanwhile: PostgreSQL keeps every notification until each listener has read
+                            # it, and the server's queue, once full, fails the writers' commits. A leader listens anew
+                            # and claims what committed before.
+                            waiter.close()
                             if standby_of is None:  # said once, not at every retry
                                 standby_of = self._holder_for_log()
                                 log.info("relay %s: standby for partition %d (held by %s)", self.leadership.holder,

@@ -116,9 +116,12 @@ class ListenWaiter(Waiter):
             return False
 
     def close(self) -> None:
+        """Stop listening; what was heard and not taken is dropped (a new LISTEN is followed by a look at what
+        committed meanwhile: :meth:`ensure_listening`)."""
         if self._conn is not None and not self._conn.closed:
             self._conn.close()
         self._conn = None
+        self._payloads.clear()
 
 
 class ChangeWaiter(Waiter):

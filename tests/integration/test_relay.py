@@ -906,6 +906,21 @@ def _gated(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Eve
     return gate, held
 
 
+def _idle_armed(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once the relay, armed and past its horizon, goes to wait for a notification (install before it runs): from
+    then on its next claim follows a wake-up, not the claim that came after its horizon passed."""
+    idle = threading.Event()
+    inner = relay._idle_listening
+
+    def idle_listening(*args: object) -> None:
+        if relay._armed and relay._horizon is None:
+            idle.set()
+        inner(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay, "_idle_listening", idle_listening)
+    return idle
+
+
 def _unpublished(env: Env) -> list[str]:
     with env.engine.connect() as conn:
         return list(conn.execute(sa.select(outbox.c.event_id).where(outbox.c.published_at.is_(None))).scalars())
@@ -921,8 +936,9 @@ def test_a_notified_change_reaches_the_bus_before_its_claim_and_only_once(
     bus = Recording(env.open_bus())
     relay = Relay(env.engine, bus, LISTENING, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
     audit = Audit(env.open_bus())
+    idle = _idle_armed(relay, monkeypatch)
     running(relay)
-    _settled(env, relay)
+    assert idle.wait(30), "the relay did not arm and go idle"
     gate, held = _gated(relay, monkeypatch)
     add_tasks(env, "noticed", 1)
     assert held.wait(10), "the notification did not wake the relay"
@@ -951,8 +967,9 @@ def test_a_bus_loss_before_the_claim_publishes_a_notified_change_again(
         pytest.skip("the embedded bus lives in the database: it is lost only with the database")
     relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
     Audit(env.open_bus())  # a group, so that what is published is kept until read
+    idle = _idle_armed(relay, monkeypatch)
     running(relay)
-    _settled(env, relay)
+    assert idle.wait(30), "the relay did not arm and go idle"
     gate, held = _gated(relay, monkeypatch)
     add_tasks(env, "lost", 1)
     assert held.wait(10), "the notification did not wake the relay"
@@ -965,33 +982,74 @@ def test_a_bus_loss_before_the_claim_publishes_a_notified_change_again(
     assert Audit(env.open_bus(), "after").collect({event_id}) == {event_id}, "lost with the bus"
 
 
+def _heard(env: Env, write: Callable[[], None]) -> list[str]:
+    """The payloads of the outbox channel's notifications that ``write`` caused (a sentinel NOTIFY after it ends
+    the listening: notifications arrive in commit order)."""
+    import psycopg
+
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    url = env.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {OUTBOX_CHANNEL}")
+        listener.execute("LISTEN pollbridge_test_sentinel")
+        write()
+        with env.engine.begin() as conn:
+            conn.exec_driver_sql("NOTIFY pollbridge_test_sentinel")
+        payloads = []
+        for n in listener.notifies(timeout=10):
+            if n.channel == "pollbridge_test_sentinel":
+                return payloads
+            payloads.append(n.payload)
+    raise AssertionError("the sentinel notification never came")
+
+
+def test_no_event_is_sent_ahead_of_an_earlier_change_of_its_instance(env: Env) -> None:
+    """An event published before its claim must not overtake an earlier change of its instance that waits for the
+    claim (a held dispatch: quiet, it notified no one): then the notification is empty, and the claim publishes
+    both in their order. Another instance's change still sends its event."""
+    _postgres_only(env)
+    bus = Recording(env.open_bus())
+    relay = Relay(env.engine, bus, LISTENING, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    relay._set_armed(True)
+    add_tasks(env, "held", 1)
+    add_tasks(env, "apart", 1)
+    while relay.publish_batch():
+        pass
+    statuses = env.tables.mapping.statuses
+    tasks = env.tables.tasks
+    status = tasks.c[env.tables.mapping.columns.status]
+
+    def move(instance: str, to: str) -> Callable[[], None]:
+        def write() -> None:
+            with env.engine.begin() as conn:
+                conn.execute(tasks.update().where(tasks.c.instance_id == instance).values({status: statuses.write(to)}))
+        return write
+
+    assert _heard(env, move("held", "dispatched")) == []  # quiet
+    assert _heard(env, move("held", "running")) == [""]  # the dispatch waits: no event ahead of it
+    [apart] = _heard(env, move("apart", "running"))  # another instance: its event
+    assert json.loads(apart[4:])["data"]["instance_id"] == "apart"
+    bus.published.clear()
+    while relay.publish_batch():
+        pass
+    held = [json.loads(e.to_json())["data"]["new_status"] for batch in bus.published for e in batch
+            if e.partitionkey == "held"]
+    assert held == [statuses.write("dispatched"), statuses.write("running")]
+
+
 def test_the_trigger_notifies_the_event_of_the_first_change_of_a_transaction(env: Env) -> None:
     """What the notification carries is the event the claim builds for the row, and only the first notifying change
     of a transaction sends one (the others notify empty and are folded): a transaction of a thousand rows is not a
     thousand notifications. A notice too long for NOTIFY is sent empty, and the claim publishes its event."""
     _postgres_only(env)
-    import psycopg
-
     from bridge.capture.queries import EVENT_NOTICE, event_payload_sql
-    from bridge.db.schema import OUTBOX_CHANNEL
 
     relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
     relay._set_armed(True)  # the adaptive trigger notifies only while its relay is armed
-    url = env.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
     def heard(write: Callable[[], None]) -> list[str]:
-        with psycopg.connect(url, autocommit=True) as listener:
-            listener.execute(f"LISTEN {OUTBOX_CHANNEL}")
-            listener.execute("LISTEN pollbridge_test_sentinel")
-            write()
-            with env.engine.begin() as conn:
-                conn.exec_driver_sql("NOTIFY pollbridge_test_sentinel")
-            payloads = []
-            for n in listener.notifies(timeout=10):
-                if n.channel == "pollbridge_test_sentinel":
-                    return payloads
-                payloads.append(n.payload)
-        raise AssertionError("the sentinel notification never came")
+        return _heard(env, write)
 
     payloads = heard(lambda: add_tasks(env, "three", 3))
     assert len(payloads) == 2 and "" in payloads, payloads
@@ -1005,6 +1063,22 @@ def test_the_trigger_notifies_the_event_of_the_first_change_of_a_transaction(env
     assert sent == json.loads(built)
     assert sent["data"]["version"] == first and sent["data"]["task_key"] == "k0"
 
+    # The flag is the transaction's: the next transaction's first change sends its event again, and a change
+    # rolled back to a savepoint takes its notification and the flag with it.
+    [again] = heard(lambda: add_tasks(env, "next", 1))
+    assert again.startswith(f"{EVENT_NOTICE}0:") and json.loads(again[4:])["data"]["instance_id"] == "next"
+
+    def savepoint() -> None:
+        with env.engine.begin() as conn:
+            conn.execute(env.tables.instances.insert().values(id="kept", workflow_type="orders"))  # type: ignore[union-attr]
+            with conn.begin_nested() as nested:
+                conn.execute(env.tables.tasks.insert().values(instance_id="kept", task_key="undone", depends_on=[]))
+                nested.rollback()
+            conn.execute(env.tables.tasks.insert().values(instance_id="kept", task_key="kept", depends_on=[]))
+
+    [kept] = heard(savepoint)
+    assert json.loads(kept[4:])["data"]["task_key"] == "kept"
+
     def long_key() -> None:
         with env.engine.begin() as conn:
             conn.execute(env.tables.instances.insert().values(id="long", workflow_type="orders"))  # type: ignore[union-attr]
@@ -1014,3 +1088,96 @@ def test_the_trigger_notifies_the_event_of_the_first_change_of_a_transaction(env
     while relay.publish_batch():
         pass
     assert not _unpublished(env)
+
+
+def test_a_notice_read_after_its_row_was_claimed_is_not_published_again(env: Env) -> None:
+    """A busy relay claims without waiting, so the notifications of the rows it took are read only at its next wait:
+    publishing them then would only duplicate what the claims published."""
+    _postgres_only(env)
+    if env.bus_url is None:
+        pytest.skip("with the embedded bus the relay publishes nothing from notifications")
+    from bridge.db.listen import ListenWaiter
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    bus = Recording(env.open_bus())
+    relay = Relay(env.engine, bus, LISTENING, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    relay._set_armed(True)
+    waiter = ListenWaiter(env.engine, threading.Event(), OUTBOX_CHANNEL)
+    try:
+        waiter.ensure_listening()
+        add_tasks(env, "claimed", 1)
+        assert relay.publish_batch() == 1  # the busy relay's claim, before it reads the notification
+        assert waiter.wait(10), "no notification"
+        relay._publish_notices(waiter)
+        assert [len(batch) for batch in bus.published] == [1], bus.published
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 0
+        add_tasks(env, "fresh", 1)  # a change no claim took yet is published from its notification
+        assert waiter.wait(10), "no notification"
+        relay._publish_notices(waiter)
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+    finally:
+        waiter.close()
+
+
+def test_a_made_up_notice_neither_skips_nor_replaces_the_rows_event(env: Env) -> None:
+    """Anyone who can connect can NOTIFY: a notice naming a real outbox row with another event id is published (a
+    hint, like any event: the scheduler reads the row), and the claim still publishes the row's own event."""
+    _postgres_only(env)
+    if env.bus_url is None:
+        pytest.skip("with the embedded bus the relay publishes nothing from notifications")
+    from bridge.db.listen import ListenWaiter
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    audit = Audit(env.open_bus())
+    add_tasks(env, "real", 1)  # not armed: no notification
+    with env.engine.connect() as conn:
+        row = conn.execute(sa.select(outbox.c.id, outbox.c.event_id, outbox.c.instance_id, outbox.c.task_id)).one()
+    fake = {"specversion": "1.0", "id": "00000000-0000-4000-8000-000000000000", "source": "pollbridge",
+            "type": "task.status_changed", "subject": row.task_id, "time": "2026-12-07T00:00:00.000000Z",
+            "datacontenttype": "application/json", "partitionkey": row.instance_id, "depth": 0, "traceid": None,
+            "data": {"task_id": row.task_id, "instance_id": row.instance_id, "workflow_type": "orders",
+                     "task_key": "k0", "old_status": None, "new_status": "pending", "change": "insert",
+                     "version": row.id}}
+    waiter = ListenWaiter(env.engine, threading.Event(), OUTBOX_CHANNEL)
+    try:
+        waiter.ensure_listening()
+        with env.engine.begin() as conn:
+            conn.execute(sa.text("SELECT pg_notify(:channel, :payload)"),
+                         {"channel": OUTBOX_CHANNEL, "payload": "e:0:" + json.dumps(fake)})
+            conn.execute(sa.text("SELECT pg_notify(:channel, :payload)"),
+                         {"channel": OUTBOX_CHANNEL, "payload": "e:0:" + "[" * 7_000})
+        assert waiter.wait(10), "no notification"
+        relay._publish_notices(waiter)  # the deep one is left alone, not raised
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+        assert relay.publish_batch() == 1
+    finally:
+        waiter.close()
+    wanted = {row.event_id, fake["id"]}
+    assert audit.collect(wanted) == wanted
+
+
+def test_a_relay_that_lost_its_partition_stops_listening(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL keeps every notification until each listener has read it, and a full queue fails the writers'
+    commits: a standby must not listen unread (its listener would keep every event notice the leader's writers
+    send)."""
+    _postgres_only(env)
+
+    def listeners() -> int:
+        with env.engine.connect() as conn:
+            return int(conn.execute(sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query = :listen"),
+                {"listen": f"LISTEN {OUTBOX_CHANNEL}"}).scalar_one())
+
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    idle = _idle_armed(relay, monkeypatch)
+    running(relay)
+    assert idle.wait(30), "the relay did not arm and go idle"
+    assert listeners() == 1
+    monkeypatch.setattr(relay.leadership, "try_acquire", lambda: False)  # another relay took the partition
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 0, 10,
+             what="the relay to step down at its next lease check")
+    wait_for(lambda: listeners() == 0, 10, what="the standby to stop listening")

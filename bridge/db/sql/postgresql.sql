@@ -14,8 +14,26 @@ CREATE FUNCTION $function() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = $search_path AS $$pollbridge$$
 DECLARE
   pb_change text := 'insert';
-  pb_row record;
+  -- The outbox row just written, for the notification (typed: an assignment converts, so a later migration
+  -- that changes an outbox column's type cannot break a plan a session keeps; a record's fields would be planned
+  -- with the types of the first row it held).
+  pb_o_id bigint;
+  pb_o_event_id text;
+  pb_o_task_id text;
+  pb_o_instance_id text;
+  pb_o_workflow_type text;
+  pb_o_task_key text;
+  pb_o_change text;
+  pb_o_old_status text;
+  pb_o_new_status text;
+  pb_o_attempt bigint;
+  pb_o_depth bigint;
+  pb_o_trace_id text;
+  pb_o_relay_partition integer;
+  pb_o_created_at timestamptz;
   pb_notice text;
+  pb_waiting integer;
+  pb_same integer;
 BEGIN
   -- SECURITY DEFINER: pollbridge's tables are written with the rights of the role that ran `pollbridge
   -- init`, so a scheduler whose role has rights on its own table only keeps writing it.
@@ -41,10 +59,11 @@ BEGIN
          CASE WHEN TG_OP = 'UPDATE' THEN $old_status END, $new_status, $attempt, $depth,
          replace(gen_random_uuid()::text, '-', ''), $partition_expr, clock_timestamp()
   WHERE NOT EXISTS (SELECT FROM ONLY $table WHERE false)
-  -- A record, not the outbox's row type: a session keeps the function's plan, and a row type resolved then would go stale
-  -- when a later migration of pollbridge's adds an outbox column.
   RETURNING id, event_id, task_id, instance_id, workflow_type, task_key, change, old_status, new_status, attempt,
-            depth, trace_id, relay_partition, created_at INTO pb_row;
+            depth, trace_id, relay_partition, created_at
+  INTO pb_o_id, pb_o_event_id, pb_o_task_id, pb_o_instance_id, pb_o_workflow_type, pb_o_task_key, pb_o_change,
+       pb_o_old_status, pb_o_new_status, pb_o_attempt, pb_o_depth, pb_o_trace_id, pb_o_relay_partition,
+       pb_o_created_at;
   $notify
   RETURN NULL;
 END
@@ -106,7 +125,7 @@ COMMENT ON FUNCTION $function() IS $comment
 $send
 
 -- name: notify_when_armed
-IF EXISTS (SELECT 1 FROM $relay_state WHERE relay_partition = pb_row.relay_partition AND armed) THEN
+IF EXISTS (SELECT 1 FROM $relay_state WHERE relay_partition = pb_o_relay_partition AND armed) THEN
     $send
   END IF;
 
@@ -119,11 +138,21 @@ PERFORM pg_notify('pollbridge_outbox', '');
 -- notify empty, folded into one by PostgreSQL, and ride on the claim. A transaction-local setting says which is
 -- first: it survives this function's exit (only the function's own SET clause is undone there) and ends with
 -- the transaction, or with a subtransaction rolled back together with its notification.
+-- Only when no earlier row of the same instance waits for the claim (a held dispatch, say): published early, the
+-- event would overtake it, and one instance's events go out in their order. Looked for among the first $before
+-- unpublished rows of the partition; more than that waiting is a busy relay's claim coming anyway.
 IF coalesce(current_setting('pollbridge.event_noticed', true), '') = '' THEN
       PERFORM set_config('pollbridge.event_noticed', 'on', true);
-      pb_notice := $notice;
-      IF octet_length(pb_notice) >= $limit THEN
-        pb_notice := '';
+      SELECT count(*), count(*) FILTER (WHERE pb_b.instance_id = pb_o_instance_id) INTO pb_waiting, pb_same
+      FROM (SELECT instance_id FROM $outbox
+            WHERE relay_partition = pb_o_relay_partition AND published_at IS NULL AND id < pb_o_id
+            ORDER BY id LIMIT $before) pb_b;
+      pb_notice := '';
+      IF pb_waiting < $before AND pb_same = 0 THEN
+        pb_notice := $notice;
+        IF pb_notice IS NULL OR octet_length(pb_notice) >= $limit THEN
+          pb_notice := '';
+        END IF;
       END IF;
       PERFORM pg_notify('pollbridge_outbox', pb_notice);
     ELSE
@@ -133,7 +162,7 @@ IF coalesce(current_setting('pollbridge.event_noticed', true), '') = '' THEN
 -- name: notify_unless_quiet
 -- A status change into a value that cannot make any task ready (dispatched: $quiet) wakes no relay:
 -- its row waits for the next claim (the next change that notifies, or the relay's idle probe).
-IF pb_change <> 'status' OR pb_row.new_status IS NULL OR pb_row.new_status NOT IN ($quiet) THEN
+IF pb_change <> 'status' OR pb_o_new_status IS NULL OR pb_o_new_status NOT IN ($quiet) THEN
   $notify
   END IF;
 
