@@ -44,6 +44,7 @@ from bridge.capture.outbox import Backlog, read_backlog
 from bridge.capture.queries import (
     ARM_HORIZON_SQL,
     EVENT_NOTICE,
+    EVENT_WINDOW,
     HORIZON_PASSED_SQL,
     REASSERT_ARMED_SQL,
     RelayQueries,
@@ -364,7 +365,9 @@ class Relay:
         claim) is made again by the claim, a duplicate with the same event id. A notice this relay cannot use
         (another partition's, unreadable, a row the claim would dead-letter) is left to the claim, and so is one
         of a row a claim may have taken already (at or below the largest id claimed: a notice read after a busy
-        spell's claims); leaving one to the claim only costs its latency."""
+        spell's claims), and one more than :data:`EVENT_WINDOW` ids above it (the trigger looked for an earlier
+        unpublished row of the instance only that far back, and rows further back may wait for the claim: a relay
+        just started, another partition's writes in between); leaving one to the claim only costs its latency."""
         notices = waiter.take_notices(EVENT_NOTICE)
         if not notices or not self._notices:
             return
@@ -379,7 +382,7 @@ class Relay:
                 doc = json.loads(payload)
                 data = doc["data"]
                 version = int(data["version"])
-                if version <= self._claimed_to:
+                if not self._claimed_to < version <= self._claimed_to + EVENT_WINDOW:
                     continue
                 if not (data["task_id"] and data["instance_id"] and data["task_key"] and data["change"] in CHANGES
                         and (valid is None or all(data[k] is None or data[k] in valid

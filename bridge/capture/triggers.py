@@ -56,7 +56,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import NoSuchTableError
 
-from bridge.capture.queries import NOTICE_LIMIT, NOTICE_LOOKBACK, event_notice_sql
+from bridge.capture.queries import EVENT_WINDOW, NOTICE_LIMIT, event_notice_sql
 from bridge.core.errors import MappingMismatch
 from bridge.core.mapping import RelatedTable, StatusValues
 from bridge.core.settings import WAKE_MODES, WakeMode
@@ -435,7 +435,7 @@ def _pg_values(conn: Connection, values: dict[str, str], wake: WakeMode, relay_p
     # A related change writes its rows in one statement, with no record of them to send: it notifies empty.
     send = render("postgresql", "send_empty") if many else render(
         "postgresql", "send_event", notice=event_notice_sql("pb_o_"), limit=str(NOTICE_LIMIT),
-        outbox=f"{home}.pollbridge_outbox", before=str(NOTICE_LOOKBACK))
+        outbox=f"{home}.pollbridge_outbox", before=str(EVENT_WINDOW))
     if wake == "notify":
         notify = render("postgresql", "notify_always", send=send)
     elif wake == "adaptive":

@@ -1115,6 +1115,16 @@ def test_a_notice_read_after_its_row_was_claimed_is_not_published_again(env: Env
         assert waiter.wait(10), "no notification"
         relay._publish_notices(waiter)
         assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+        # More than EVENT_WINDOW ids above the last claim (a relay just started, a busy spell of other partitions):
+        # the trigger looked only that far back for an earlier row of the instance, so the claim publishes it.
+        from bridge.capture.queries import EVENT_WINDOW
+
+        assert relay.publish_batch() == 1
+        relay._claimed_to -= EVENT_WINDOW
+        add_tasks(env, "far", 1)
+        assert waiter.wait(10), "no notification"
+        relay._publish_notices(waiter)
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
     finally:
         waiter.close()
 
