@@ -282,8 +282,9 @@ class Relay:
         #: can NOTIFY, and a made-up notice must not make the claim skip a real row (its event id is a random UUID
         #: only those who can read the outbox know).
         self._noticed: dict[int, str] = {}
-        #: The largest outbox id a claim of this relay took: a notice of a row at or below it is stale (read after
-        #: the claims of a busy spell took its row), and publishing it would only be a duplicate.
+        #: The largest outbox id a committed claim of this relay took: a notice of a row at or below it is most likely
+        #: stale (read after the claims of a busy spell took its row; or a transaction's that committed late, whose
+        #: row the next claim takes), and is left to the claim.
         self._claimed_to = 0
         #: Whether a notified event may be published before the claim: the bus publishes apart from the claim's
         #: transaction, and the event needs nothing the claim adds (the causation depth read from the chain).
@@ -331,7 +332,6 @@ class Relay:
                 # ``mapping.columns.spawned_by``: the capture trigger cannot know the depth (a walk up the chain
                 # inside the scheduler's write); one query per batch here, and the events carry it.
                 depths = self.depth_of(conn, [str(r.task_id) for r in good])
-            self._claimed_to = max(self._claimed_to, max(r.id for r in rows))
             sent: set[int] = set()
             if self._noticed:  # published from their notifications already: marked here, not published again
                 noticed = self._noticed
@@ -352,6 +352,8 @@ class Relay:
                     {"outbox_id": r.id, "reason": reason, "payload": _row_json(r),
                      "created_at": datetime.now(UTC)} for r, reason in dead])
                 conn.execute(self.queries.delete_rows([r.id for r, _ in dead]))
+        # Once committed: a claim rolled back leaves its rows unpublished, ahead of any early event of their instances.
+        self._claimed_to = max(self._claimed_to, max(r.id for r in rows))
         self._record(good, len(dead))
         return len(rows)
 
@@ -365,9 +367,10 @@ class Relay:
         claim) is made again by the claim, a duplicate with the same event id. A notice this relay cannot use
         (another partition's, unreadable, a row the claim would dead-letter) is left to the claim, and so is one
         of a row a claim may have taken already (at or below the largest id claimed: a notice read after a busy
-        spell's claims), and one more than :data:`EVENT_WINDOW` ids above it (the trigger looked for an earlier
-        unpublished row of the instance only that far back, and rows further back may wait for the claim: a relay
-        just started, another partition's writes in between); leaving one to the claim only costs its latency."""
+        spell's claims, or a late commit's), and one more than :data:`EVENT_WINDOW` ids above it (the trigger
+        looked for an earlier unpublished row of the instance only that far back, and rows further back may wait
+        for the claim: a relay just started, another partition's writes in between); leaving one to the claim only
+        costs its latency."""
         notices = waiter.take_notices(EVENT_NOTICE)
         if not notices or not self._notices:
             return
@@ -663,6 +666,7 @@ class Relay:
                     if paused:  # backpressure: the outbox keeps the changes until the bus has room
                         if self._armed:  # unheard while paused, the writers' NOTIFYs would only fill the queue
                             self._set_armed(False)
+                        waiter.close()  # and other partitions' writers still notify: not listening meanwhile
                         # The purge goes on: its trim of what every consumer acknowledged is what gives the bus room
                         # again (skipped while paused, a bus full of acknowledged entries kept the relay paused).
                         if now >= next_purge:
@@ -719,6 +723,9 @@ class Relay:
                     if self.pg:
                         self.leading.clear()
                         self.leadership.release()
+                    # Unread through the backoff, a listener would keep the server's notification queue from being
+                    # trimmed; a fresh LISTEN is followed by a claim of what committed meanwhile.
+                    waiter.close()
                     stop.wait(pause)
         finally:
             self.leading.clear()

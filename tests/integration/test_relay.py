@@ -947,7 +947,8 @@ def test_a_notified_change_reaches_the_bus_before_its_claim_and_only_once(
         assert bus.published == [], "an embedded bus publishes in the claim's transaction"
     else:
         assert audit.collect({event_id}, timeout=10) == {event_id}, "not on the bus before its claim"
-        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+        wait_for(lambda: relay.metrics.value("pollbridge_relay_notified_published_total") == 1, 10,
+                 what="the relay to count the notified event (after the bus acknowledged it)")
     gate.set()
     wait_for(lambda: not _unpublished(env), 10, what="the claim to mark the row published")
     add_tasks(env, "after", 1)  # a later change, so that a second publish of the first would be on the bus by now
@@ -955,7 +956,9 @@ def test_a_notified_change_reaches_the_bus_before_its_claim_and_only_once(
     assert audit.collect(everything) == everything
     ids = [d.event.id for d in audit.seen if d.event is not None]
     assert sorted(ids) == sorted(everything), f"published twice: {ids}"
-    assert relay.metrics.value("pollbridge_relay_published_total") == 2
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_published_total") == 2, 10,
+             what="the claim to mark the later row published")
+    assert sorted(d.event.id for d in audit.seen if d.event is not None) == sorted(everything)
 
 
 def test_a_bus_loss_before_the_claim_publishes_a_notified_change_again(
@@ -1079,6 +1082,17 @@ def test_the_trigger_notifies_the_event_of_the_first_change_of_a_transaction(env
     [kept] = heard(savepoint)
     assert json.loads(kept[4:])["data"]["task_key"] == "kept"
 
+    # Only a READ COMMITTED writer looks at the outbox and sends an event: a SERIALIZABLE one's look would take
+    # predicate locks where every concurrent outbox insert lands (serialization failures for the writers).
+    for level, instance in (("SERIALIZABLE", "serializable"), ("REPEATABLE READ", "repeatable")):
+        def isolated(level: str = level, instance: str = instance) -> None:
+            with env.engine.connect().execution_options(isolation_level=level) as conn:
+                conn.execute(env.tables.instances.insert().values(id=instance, workflow_type="orders"))  # type: ignore[union-attr]
+                conn.execute(env.tables.tasks.insert().values(instance_id=instance, task_key="k", depends_on=[]))
+                conn.commit()
+
+        assert heard(isolated) == [""], level
+
     def long_key() -> None:
         with env.engine.begin() as conn:
             conn.execute(env.tables.instances.insert().values(id="long", workflow_type="orders"))  # type: ignore[union-attr]
@@ -1191,3 +1205,30 @@ def test_a_relay_that_lost_its_partition_stops_listening(
     wait_for(lambda: relay.metrics.value("pollbridge_relay_leader", {"partition": "0"}) == 0, 10,
              what="the relay to step down at its next lease check")
     wait_for(lambda: listeners() == 0, 10, what="the standby to stop listening")
+
+
+def test_a_paused_relay_stops_listening(env: Env, running: Callable[[Relay], threading.Event],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused for a bus near its memory limit, the relay reads no notification, and other partitions' writers still
+    send them: it does not keep a listener it does not read (the server's queue could not be trimmed past it)."""
+    _postgres_only(env)
+    from bridge.db.schema import OUTBOX_CHANNEL
+
+    bus = UnderMemoryPressure(env.open_bus(), pressure=0.0)
+    relay = Relay(env.engine, bus, LISTENING, statuses=env.tables.mapping.statuses)  # type: ignore[arg-type]
+    idle = _idle_armed(relay, monkeypatch)
+    running(relay)
+    assert idle.wait(30), "the relay did not arm and go idle"
+
+    def listeners() -> int:
+        with env.engine.connect() as conn:
+            return int(conn.execute(sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query = :listen"),
+                {"listen": f"LISTEN {OUTBOX_CHANNEL}"}).scalar_one())
+
+    assert listeners() == 1
+    bus.pressure = 0.99
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_paused") == 1, 10, what="the relay to pause")
+    wait_for(lambda: listeners() == 0, 10, what="the paused relay to stop listening")
+    bus.pressure = 0.0
+    wait_for(lambda: listeners() == 1, 10, what="the relay to listen again")

@@ -143,11 +143,17 @@ PERFORM pg_notify('pollbridge_outbox', '');
 -- "unpublished and below this id" alone was a 23 ms scan of every published row under statistics taken while a
 -- backlog waited); the relay publishes early only when its last claim took an id within that range
 -- (EVENT_WINDOW in bridge/capture/queries.py), so every row since is in it.
+-- Only under READ COMMITTED: a SERIALIZABLE writer's look would take predicate locks where every concurrent
+-- outbox insert lands, and fail writers with serialization errors that capture must never cause; a REPEATABLE
+-- READ writer's look would see its old snapshot. Their changes notify empty and ride on the claim.
 IF coalesce(current_setting('pollbridge.event_noticed', true), '') = '' THEN
       PERFORM set_config('pollbridge.event_noticed', 'on', true);
-      SELECT count(*) INTO pb_same FROM $outbox
-      WHERE id >= pb_o_id - $before AND id < pb_o_id AND published_at IS NULL
-        AND relay_partition = pb_o_relay_partition AND instance_id = pb_o_instance_id;
+      pb_same := 1;
+      IF current_setting('transaction_isolation') = 'read committed' THEN
+        SELECT count(*) INTO pb_same FROM $outbox
+        WHERE id >= pb_o_id - $before AND id < pb_o_id AND published_at IS NULL
+          AND relay_partition = pb_o_relay_partition AND instance_id = pb_o_instance_id;
+      END IF;
       pb_notice := '';
       IF pb_same = 0 THEN
         pb_notice := $notice;
