@@ -57,7 +57,7 @@ EVENT_NOTICE = "e:"
 #: PostgreSQL refuses a notification payload of 8,000 bytes or more; a longer notice is sent empty (the claim
 #: publishes the event).
 NOTICE_LIMIT = 7900
-#: The capture trigger sends an event only when no unpublished row of its instance has one of the this many outbox
+#: The capture trigger sends an event only when no unpublished row of its instance has one of this many outbox
 #: ids below its own, and the relay publishes it early only when its last claim took an id no further below: an
 #: event published before its claim must not overtake an earlier change of its instance (``send_event``).
 EVENT_WINDOW = 64

@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -121,6 +121,16 @@ def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
         depth=_depth(getattr(row, "depth", None)),
         data=data,
     )
+
+
+def publishable(task_id: object, instance_id: object, task_key: object, change: object, new_status: object,
+                old_status: object, valid: Collection[object] | None) -> bool:
+    """The quick form of :func:`row_to_event`'s checks, for the claim's rows and the notified events alike (an event
+    published before its claim must never be one the claim would dead-letter); ``valid``: the mapping's stored
+    status values (None: any)."""
+    return bool(task_id and instance_id and task_key and change in CHANGES
+                and (valid is None or ((new_status is None or new_status in valid)
+                                       and (old_status is None or old_status in valid))))
 
 
 def _depth(value: Any) -> int:
@@ -317,9 +327,8 @@ class Relay:
             dead: list[tuple[Any, str]] = []
             valid = self._valid_statuses
             for row in rows:
-                if (row.task_id and row.instance_id and row.task_key and row.change in CHANGES
-                        and (valid is None or ((row.new_status is None or row.new_status in valid)
-                                               and (row.old_status is None or row.old_status in valid)))):
+                if publishable(row.task_id, row.instance_id, row.task_key, row.change, row.new_status, row.old_status,
+                               valid):
                     good.append(row)
                     continue
                 try:  # the slow path says exactly what is wrong
@@ -387,9 +396,8 @@ class Relay:
                 version = int(data["version"])
                 if not self._claimed_to < version <= self._claimed_to + EVENT_WINDOW:
                     continue
-                if not (data["task_id"] and data["instance_id"] and data["task_key"] and data["change"] in CHANGES
-                        and (valid is None or all(data[k] is None or data[k] in valid
-                                                  for k in ("new_status", "old_status")))):
+                if not publishable(data["task_id"], data["instance_id"], data["task_key"], data["change"],
+                                   data["new_status"], data["old_status"], valid):
                     continue
                 found.append((version, encoded_event(str(doc["id"]), str(doc["partitionkey"]), str(doc["subject"]),
                                                      payload)))
