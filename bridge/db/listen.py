@@ -58,6 +58,11 @@ class Waiter:
             self._payloads.difference_update(taken)
         return taken
 
+    def heard_other(self) -> bool:
+        """Whether a payload received since last taken is still untaken (after :meth:`take_notices`: one that is
+        not a notice)."""
+        return bool(self._payloads)
+
     def wait(self, timeout: float) -> bool:
         self.stop.wait(timeout)
         return False

@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from bridge.bus import open_bus
+from bridge.capture import relay as relay_module
 from bridge.capture.leadership import ADVISORY_NAMESPACE
 from bridge.capture.relay import Relay
 from bridge.core.settings import RelaySettings
@@ -1252,3 +1253,106 @@ def test_a_notified_event_whose_publish_failed_is_published_by_the_claim(env: En
     finally:
         waiter.close()
     assert audit.collect({event_id}) == {event_id}
+
+
+def _claim_log(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows each of the relay's claims from now on handled, in order."""
+    calls: list[int] = []
+    claim = relay.publish_batch
+
+    def counted() -> int:
+        handled = claim()
+        calls.append(handled)
+        return handled
+
+    monkeypatch.setattr(relay, "publish_batch", counted)
+    return calls
+
+
+def _idle_with_deferred_marks(env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch,
+                              mark_after: float) -> tuple[Relay, threading.Event, list[int], Audit]:
+    """A relay on a bus apart from the database, run until it sleeps armed, rows published from their notifications
+    marked ``mark_after`` seconds after the first: the relay, its stop, its claims from then on, an audit group."""
+    _postgres_only(env)
+    if env.bus_url is None:
+        pytest.skip("with the embedded bus the relay publishes nothing from notifications")
+    monkeypatch.setattr(relay_module, "MARK_AFTER", mark_after)
+    # Nothing else wakes it meanwhile (a lease, the bus epoch, a purge): the marking claim needs its own timer.
+    quiet = dataclasses.replace(LISTENING, lease_timeout=60.0, epoch_check_interval=60.0, purge_interval=60.0)
+    relay = Relay(env.engine, env.open_bus(), quiet, statuses=env.tables.mapping.statuses)
+    audit = Audit(env.open_bus())
+    idle = _idle_armed(relay, monkeypatch)
+    stop = running(relay)
+    assert idle.wait(30), "the relay did not arm and go idle"
+    return relay, stop, _claim_log(relay, monkeypatch), audit
+
+
+def test_rows_published_from_notifications_wait_for_one_claim_to_mark_them(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a trickle a claim per notified change was a third of the event path's database transactions: rows whose
+    events went out from their notifications wait for one claim (``MARK_AFTER``), and a change whose notification
+    carries no event brings that claim at once; each event is published once."""
+    relay, _, claims, audit = _idle_with_deferred_marks(env, running, monkeypatch, 60.0)
+    for name in ("m1", "m2", "m3"):
+        add_tasks(env, name, 1)
+    early = set(_unpublished(env))
+    assert len(early) == 3
+    assert audit.collect(early, timeout=10) == early, "not published from their notifications"
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_notified_published_total") == 3, 10,
+             what="the relay to count the notified events")
+    assert claims == [], "a claim came for changes that had all gone out"
+    assert set(_unpublished(env)) == early
+    add_tasks(env, "m4", 2)  # one transaction: the first change's notification carries its event, the second's none
+    wait_for(lambda: not _unpublished(env), 10, what="the claim a change without its event brings")
+    assert claims == [5], "one claim for the five rows"
+    everything = outbox_event_ids(env)
+    assert audit.collect(everything) == everything
+    ids = [d.event.id for d in audit.seen if d.event is not None]
+    assert sorted(ids) == sorted(everything), f"published twice: {ids}"
+
+
+def test_the_claim_that_marks_notified_rows_comes_on_its_own_timer(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No other wake-up needed (the relay's probe is 30 s away): the marking claim comes ``MARK_AFTER`` after the
+    first row published from its notification."""
+    relay, _, claims, audit = _idle_with_deferred_marks(env, running, monkeypatch, 0.3)
+    add_tasks(env, "timer", 1)
+    [event_id] = _unpublished(env)
+    wait_for(lambda: not _unpublished(env), 10, what="the marking claim")
+    assert claims == [1]
+    assert audit.collect({event_id}) == {event_id}
+    assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+
+
+def test_a_relay_that_stops_marks_the_rows_it_published_from_notifications(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left unmarked, the next relay would publish them again."""
+    relay, stop, claims, audit = _idle_with_deferred_marks(env, running, monkeypatch, 60.0)
+    add_tasks(env, "leaving", 1)
+    [event_id] = _unpublished(env)
+    wait_for(lambda: relay.metrics.value("pollbridge_relay_notified_published_total") == 1, 10,
+             what="the notified event published")
+    assert claims == []
+    stop.set()
+    wait_for(lambda: not _unpublished(env), 15, what="the row marked on the way out")
+    assert claims == [1]
+    assert Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses).publish_batch() == 0
+    add_tasks(env, "after", 1)  # published by no relay: the audit reads until the first row's second publish would be
+    assert audit.collect({event_id}) == {event_id}
+    assert [d.event.id for d in audit.seen if d.event is not None].count(event_id) == 1
+
+
+def test_the_marking_claim_comes_at_once_when_enough_rows_wait_for_it(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MARK_LIMIT`` rows waiting bring the claim before ``MARK_AFTER``: at 100 completions/s the claim otherwise came
+    only when a notice fell outside the event window, with a burst of quiet rows."""
+    monkeypatch.setattr(relay_module, "MARK_LIMIT", 2)
+    relay, _, claims, audit = _idle_with_deferred_marks(env, running, monkeypatch, 60.0)
+    add_tasks(env, "first", 1)
+    [first] = _unpublished(env)
+    assert audit.collect({first}, timeout=10) == {first}
+    assert claims == []
+    add_tasks(env, "second", 1)
+    wait_for(lambda: not _unpublished(env), 10, what="the claim at the second row")
+    assert claims == [2]
+    assert relay.metrics.value("pollbridge_relay_notified_published_total") == 2
