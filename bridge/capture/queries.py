@@ -133,6 +133,15 @@ def delete_rows_statement(ids: Sequence[Any]) -> sa.Delete:
     return outbox.delete().where(outbox.c.id.in_(list(ids)))
 
 
+def mark_noticed_statement(dialect_name: str, pairs: Sequence[tuple[int, str]]) -> sa.Update:
+    """The rows ``pairs`` (outbox id, event id: both must match) marked published if they are not yet: rows whose
+    events went out from their notifications, marked by a relay on its way out without a claim (no bus I/O)."""
+    o = outbox.c
+    return (outbox.update()
+            .where(sa.tuple_(o.id, o.event_id).in_(list(pairs)), o.published_at.is_(None))
+            .values(published_at=db_now(dialect_name)))
+
+
 def bus_epoch_statement(partition: int) -> sa.Select[Any]:
     """The bus epoch the relay of ``partition`` stored (a scalar; ``None`` before the first check)."""
     return sa.select(relay_state.c.bus_epoch).where(relay_state.c.relay_partition == partition)
@@ -251,6 +260,10 @@ class RelayQueries:
     def delete_rows(self, ids: Sequence[Any]) -> sa.Delete:
         """:func:`delete_rows_statement`."""
         return delete_rows_statement(ids)
+
+    def mark_noticed(self, pairs: Sequence[tuple[int, str]]) -> sa.Update:
+        """:func:`mark_noticed_statement`."""
+        return mark_noticed_statement(self.dialect_name, pairs)
 
     def bus_epoch(self) -> sa.Select[Any]:
         """:func:`bus_epoch_statement`."""

@@ -381,7 +381,7 @@ class Relay:
                 conn.execute(self.queries.delete_rows([r.id for r, _ in dead]))
         # Once committed: a claim rolled back leaves its rows unpublished, ahead of any early event of their instances.
         self._claimed_to = max(self._claimed_to, max(r.id for r in rows))
-        self._record(good, len(dead))
+        self._record(good, len(dead), [r for r in good if r.id not in sent] if sent else good)
         return len(rows)
 
     def _publish_notices(self, waiter: Waiter) -> None:
@@ -436,21 +436,26 @@ class Relay:
         self._noticed.update((version, event.id) for version, event in found)
         self.metrics.noticed.inc(len(found))
         self._unmarked += len(found)
-        if not left and not waiter.heard_other() and self._horizon is None and self._unmarked < MARK_LIMIT:
+        # Not while the flag is down (adaptive, busy): most changes then commit without a notification, and a late
+        # notice of a writer that read the flag up must not hold back the claim that publishes them.
+        if not left and not waiter.heard_other() and self._horizon is None and self._unmarked < MARK_LIMIT \
+                and (self.wake == "notify" or self._armed):
             # Every change heard went out already: the claim that marks them waits for more (MARK_AFTER).
             self._look = False
             if self._mark_due is None:
                 self._mark_due = time.monotonic() + MARK_AFTER
 
-    def _record(self, published: Sequence[Any], dead: int) -> None:
+    def _record(self, published: Sequence[Any], dead: int, fresh: Sequence[Any]) -> None:
+        """Metrics of a claim: ``published`` rows (``fresh``: those whose events this claim published, not only
+        marked), ``dead`` dead-lettered."""
         self.metrics.published.inc(len(published))
         if published and self._purge_due is None:
             self._purge_due = time.monotonic() + self.settings.retention
         self.metrics.batch_size.observe(len(published) + dead)
-        if published:
-            # One observation per batch, of its oldest row: the batch's worst case, at a cost that does
-            # not grow with the batch.
-            stamps = [t for t in (as_utc(r.created_at) for r in published) if t is not None]
+        if fresh:
+            # One observation per batch, of its oldest row: the batch's worst case, at a cost that does not grow with
+            # the batch. Rows only marked are left out: their publish came earlier, their mark up to MARK_AFTER later.
+            stamps = [t for t in (as_utc(r.created_at) for r in fresh) if t is not None]
             created = min(stamps, default=None)
             if created is not None:
                 self.metrics.publish_latency.observe(max(0.0, (datetime.now(UTC) - created).total_seconds()))
@@ -674,6 +679,7 @@ class Relay:
                                 log.info("relay %s holds partition %d", self.leadership.holder, self.partition)
                             standby_of = None
                             self._noticed.clear()  # kept from an earlier lead: another relay claimed those rows
+                            self._mark_due, self._unmarked = None, 0
                             self._armed = True
                             self._set_armed(False)
                         if not leader:  # a hot standby: retry soon so a takeover is quick
@@ -764,10 +770,12 @@ class Relay:
                     waiter.close()
                     stop.wait(pause)
         finally:
-            if self._mark_due is not None and self.leading.is_set():
-                # Marked on the way out, or the next relay publishes them again.
-                with contextlib.suppress(Exception):
-                    self.publish_batch()
+            if self._noticed and self.pg:
+                # Marked on the way out, or the next relay publishes them again: only marked (their events went out),
+                # no claim and no publish (the bus may be full, the lead stale; a bus lost meanwhile is found by the
+                # next relay's epoch check, which republishes what the retention window holds).
+                with contextlib.suppress(Exception), self._begin() as conn:
+                    conn.execute(self.queries.mark_noticed(list(self._noticed.items())))
             self.leading.clear()
             waiter.close()
             with contextlib.suppress(Exception):  # best effort on the way out

@@ -56,23 +56,24 @@ def _scans(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _scans(child)
 
 
-def _explain(engine: Engine, generic: bool) -> dict[str, Any]:
-    """The relay's claim (partition 0, batch 5,000) prepared with its parameters as ``$n``, executed under
-    EXPLAIN ANALYZE in a transaction rolled back."""
-    compiled = claim_statement("postgresql", 0, 5000).compile(
-        dialect=postgresql.psycopg.dialect(paramstyle="numeric_dollar"))  # type: ignore[attr-defined]
+def _explain(engine: Engine, statement: sa.Executable, generic: bool) -> dict[str, Any]:
+    """``statement`` prepared with its parameters as ``$n``, executed under EXPLAIN ANALYZE in a transaction rolled
+    back: with ``generic``, as a prepared statement runs once PostgreSQL settles on a generic plan (the relay's claim,
+    prepared by the driver after a few runs)."""
+    compiled = statement.compile(dialect=postgresql.psycopg.dialect(paramstyle="numeric_dollar"))  # type: ignore[attr-defined]
     names = list(compiled.positiontup or ())
     values = [compiled.params[name] for name in names]
     types = ", ".join(compiled.binds[name].type.compile(dialect=postgresql.dialect()) for name in names)
     with engine.begin() as conn:
         driver = conn.connection.driver_connection
         assert driver is not None
-        if generic:  # as the relay's prepared statement runs once PostgreSQL settles on a generic plan
+        if generic:
             driver.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        driver.execute(f"PREPARE pb_claim ({types}) AS {compiled.string}")
+        driver.execute(f"PREPARE pb_look ({types}) AS {compiled.string}" if names
+                       else f"PREPARE pb_look AS {compiled.string}")
         arguments = psql.SQL(", ").join(psql.Literal(v) for v in values)  # a utility statement takes no $n
-        row = driver.execute(psql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE pb_claim({})")
-                             .format(arguments)).fetchone()
+        look = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE pb_look" + ("({})" if names else "")
+        row = driver.execute(psql.SQL(look).format(arguments)).fetchone()
         conn.rollback()
     assert row is not None
     document = json.loads(row[0]) if isinstance(row[0], str) else row[0]
@@ -86,7 +87,7 @@ def test_the_claim_reads_only_unpublished_rows_under_statistics_of_a_burst(stale
                                          "AND attname = 'published_at'").scalar_one()
     assert null_frac == 1.0  # the trap is set: the statistics say every row waits
 
-    plan = _explain(stale, generic)
+    plan = _explain(stale, claim_statement("postgresql", 0, 5000), generic)
 
     assert plan["Actual Rows"] == WAITING
     scans = list(_scans(plan))
@@ -98,21 +99,16 @@ def test_the_claim_reads_only_unpublished_rows_under_statistics_of_a_burst(stale
     assert plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0) < 1000, plan
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom-plan", "generic-plan"])
 @pytest.mark.parametrize("partition", [0, None], ids=["one-partition", "all-partitions"])
-def test_the_backlog_reads_only_unpublished_rows_under_statistics_of_a_burst(stale: Engine,
-                                                                               partition: int | None) -> None:
+def test_the_backlog_reads_only_unpublished_rows_under_statistics_of_a_burst(stale: Engine, partition: int | None,
+                                                                               generic: bool) -> None:
     """The relay's gauges, the guardian's ``outbox_age``, ``preflight`` and ``status`` count the backlog: a
     plain count took a sequential scan of every retained row under these statistics."""
     query = backlog_query("postgresql", partition)
-    sql = str(query.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))  # type: ignore[no-untyped-call]
-    with stale.begin() as conn:
-        driver = conn.connection.driver_connection
-        assert driver is not None
-        row = driver.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}").fetchone()
-        count = conn.execute(query).one()[0]
-    assert row is not None
-    plan = (json.loads(row[0]) if isinstance(row[0], str) else row[0])[0]["Plan"]
-    assert count == WAITING
+    plan = _explain(stale, query, generic)
+    with stale.connect() as conn:
+        assert conn.execute(query).one()[0] == WAITING
     scans = list(_scans(plan))
     assert [s.get("Index Name") for s in scans] == ["pollbridge_outbox_unpublished_idx"], plan
     assert all(s.get("Rows Removed by Filter", 0) == 0 for s in scans), plan
