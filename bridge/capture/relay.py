@@ -17,6 +17,11 @@ when it changed (Redis flushed or restarted without persistence) it marks every 
 the retention window unpublished again, so they are republished. Changes older than the retention
 window are not replayed: the scheduler's catch-up from the database and the poller fallback cover them.
 
+With capture triggers on PostgreSQL and a bus apart from the database, the event of a notifying change also rides in
+its notification and is published as soon as it is heard (:meth:`Relay._publish_notices`); the claim then only marks
+its row, and waits up to :data:`MARK_AFTER` so that one claim marks a trickle's rows. The row stays unpublished until
+then, so at least once holds as above.
+
 The statements are built in :mod:`bridge.capture.queries`; the relay only runs them.
 """
 
@@ -359,16 +364,16 @@ class Relay:
                 # ``mapping.columns.spawned_by``: the capture trigger cannot know the depth (a walk up the chain
                 # inside the scheduler's write); one query per batch here, and the events carry it.
                 depths = self.depth_of(conn, [str(r.task_id) for r in good])
-            sent: set[int] = set()
+            fresh = good  # the rows whose events this claim publishes
             if self._noticed:  # published from their notifications already: marked here, not published again
                 noticed = self._noticed
-                sent = {r.id for r in good if noticed.get(r.id) == r.event_id}
+                fresh = [r for r in good if noticed.get(r.id) != r.event_id]
                 for r in rows:
                     noticed.pop(r.id, None)
             events: list[CloudEvent] = [
                 encoded_event(r.event_id, r.instance_id, r.task_id,
                               _with_depth(r.payload, depths.get(str(r.task_id), 0)) if depths else r.payload)
-                for r in good if r.id not in sent]
+                for r in fresh]
             if self.foreign is not None and good:
                 # Before the publish: a database error here happens before anything reached the bus.
                 record_foreign_dispatches(conn, self.foreign, good)
@@ -381,7 +386,7 @@ class Relay:
                 conn.execute(self.queries.delete_rows([r.id for r, _ in dead]))
         # Once committed: a claim rolled back leaves its rows unpublished, ahead of any early event of their instances.
         self._claimed_to = max(self._claimed_to, max(r.id for r in rows))
-        self._record(good, len(dead), [r for r in good if r.id not in sent] if sent else good)
+        self._record(good, len(dead), fresh)
         return len(rows)
 
     def _publish_notices(self, waiter: Waiter) -> None:
@@ -741,8 +746,9 @@ class Relay:
                         self._rate.add(self._loud, last_rows)
                     # Housekeeping that is due wakes the loop, but only a change or the probe's own timer
                     # makes it look at the outbox (_look).
-                    until = min(next_heartbeat, next_epoch, next_purge,
-                                self._mark_due if self._mark_due is not None else next_purge)
+                    until = min(next_heartbeat, next_epoch, next_purge)
+                    if self._mark_due is not None:  # the claim that marks what went out from notifications
+                        until = min(until, self._mark_due)
                     if not listen:
                         # SQLite: a claim that took less than a batch held the write lock, so it took all there
                         # was; the next look waits for a commit (an empty look after every claim was half the

@@ -923,8 +923,9 @@ def _idle_armed(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> threading.Even
 
 def _held_change(env: Env, relay: Relay, running: Callable[[Relay], threading.Event],
                  monkeypatch: pytest.MonkeyPatch, instance: str) -> tuple[threading.Event, str]:
-    """Run the relay until it sleeps armed, hold its claims, write one change of ``instance`` and wait until its
-    notification woke the relay into the held claim: the gate to release the claim, and the change's event id."""
+    """Run the relay until it sleeps armed, hold its claims, write one change of ``instance`` and wait until the claim
+    its notification brings is held (with a bus apart from the database, the claim that marks the row published from
+    its notice, up to ``MARK_AFTER`` later): the gate to release the claim, and the change's event id."""
     idle = _idle_armed(relay, monkeypatch)
     running(relay)
     assert idle.wait(30), "the relay did not arm and go idle"
