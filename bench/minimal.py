@@ -300,9 +300,9 @@ def start_minimal(url: str, workdir: Path, namespace: str) -> tuple[Minimal, pc.
     children = pc.Children(workdir, dict(os.environ))
     stream = f"{namespace}:minimal"
     children.spawn("minimal-relay", [sys.executable, "-m", "bench.minimal", "--role", "relay", "--url", url,
-                                     "--stream", stream])
+                                     "--stream", stream], count="none")
     children.spawn("minimal-consumer", [sys.executable, "-m", "bench.minimal", "--role", "consumer", "--url", url,
-                                        "--stream", stream])
+                                        "--stream", stream], count="none")
     return Minimal("minimal", url, "mtasks", ""), children
 
 
@@ -319,12 +319,14 @@ def start_pollbridge(url: str, workdir: Path, namespace: str, schedulers: int, w
     exe = shutil.which("pollbridge") or sys.exit("pollbridge is not installed (pip install -e .)")
     children = pc.Children(workdir, {**os.environ, "POLLBRIDGE_DATABASE_URL": url, "POLLBRIDGE_BUS_URL": bus_url})
     if relays == 1:
-        children.spawn("relay", [exe, "--log-level", "INFO", "relay", "run"])
+        children.spawn("relay", [exe, "--log-level", "INFO", "relay", "run"], count="none")
     else:
         for n in range(relays):
-            children.spawn(f"relay{n + 1}", [exe, "--log-level", "INFO", "relay", "run", "--partition", str(n)])
+            children.spawn(f"relay{n + 1}", [exe, "--log-level", "INFO", "relay", "run", "--partition", str(n)],
+                           count="none")
     for n in range(schedulers):
-        children.spawn(f"scheduler{n + 1}", [exe, "--log-level", "INFO", "scheduler", "run", "--phase", "cutover"])
+        children.spawn(f"scheduler{n + 1}", [exe, "--log-level", "INFO", "scheduler", "run", "--phase", "cutover"],
+                       count="none")
     p = Pollbridge("pollbridge", url, "tasks", ", updated_at = clock_timestamp()")
     p.namespace, p.bus_url = namespace, bus_url
 
