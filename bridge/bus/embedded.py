@@ -80,6 +80,7 @@ from bridge.core.events import CloudEvent, EventFormatError
 from bridge.core.idle import MAX_IDLE_POLL, idle_poll
 from bridge.db.changes import TopicView, changes_of, database_path, mark_about
 from bridge.db.engine import about, autocommit, db_now, discard, quiet, read_only
+from bridge.db.listen import wait_notifies
 from bridge.db.schema import bus_dead, bus_groups, bus_log, bus_pending
 
 #: First key of the PostgreSQL advisory locks that order publishes per partition (the second key
@@ -155,7 +156,7 @@ class _Wakeup:
                 self.listening = True
                 self.notify()  # a publish between the reader's check and the LISTEN: look again now
                 while time.monotonic() - self._last_wait < LISTENER_IDLE_CLOSE:
-                    if any(True for _ in conn.notifies(timeout=0.5, stop_after=1)):
+                    if wait_notifies(conn, 0.5):
                         self.notify()
         except psycopg.Error as exc:
             self._failed_at = time.monotonic()

@@ -10,6 +10,7 @@ never loses them, because every wake-up (timer included) probes the outbox.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 
@@ -33,6 +34,26 @@ def kept_connection(engine: Engine) -> psycopg.Connection[tuple[object, ...]]:
     return psycopg.connect(url.render_as_string(hide_password=False), autocommit=True, connect_timeout=10,
                            keepalives=1, keepalives_idle=KEEPALIVE_SECONDS // 2,
                            keepalives_interval=KEEPALIVE_SECONDS // 10, keepalives_count=5)
+
+
+def wait_notifies(conn: psycopg.Connection[tuple[object, ...]], timeout: float) -> list[str]:
+    """The payloads of the notifications on ``conn`` (LISTENing, autocommit), waiting up to ``timeout`` seconds for
+    the first; every one that arrived with it is taken too. An empty list: none came in time.
+
+    The wait is a ``select`` on the connection's socket, the reading psycopg's ``notifies(timeout=0)``:
+    ``notifies(timeout=t)`` spins through the last millisecond of every wait (poll with a zero timeout until the
+    deadline): measured 0.75 ms of CPU per 2 ms wait, 0.95 ms per 0.1 s one. The relay waits 2 ms between claims
+    when busy, so at 500 completions/s that spin was about a third of a core."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # What psycopg already holds (received beside another command) or what the socket has: never blocks.
+        got = [n.payload for n in conn.notifies(timeout=0)]
+        if got:
+            return got
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return []
+        select.select([conn.fileno()], [], [], remaining)
 
 
 class Waiter:
@@ -99,17 +120,13 @@ class ListenWaiter(Waiter):
         try:
             self._connect_if_needed()
             assert self._conn is not None
-            woken = False
             # Short slices so a stop request is honoured promptly.
             remaining = timeout
             while remaining > 0 and not self.stop.is_set():
                 step = min(remaining, 0.25)
-                for notify in self._conn.notifies(timeout=step, stop_after=1):
-                    woken = True
-                    self._payloads.add(notify.payload)
-                if woken:
-                    for notify in self._conn.notifies(timeout=0):  # drain the ones that piled up
-                        self._payloads.add(notify.payload)
+                got = wait_notifies(self._conn, step)
+                if got:
+                    self._payloads.update(got)
                     return True
                 remaining -= step
             return False

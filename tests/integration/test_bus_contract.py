@@ -959,6 +959,44 @@ def test_redis_publish_survives_a_flushed_script_cache_and_adds_each_event_once(
 
 
 @pytest.mark.redis
+def test_redis_ack_and_read_is_one_round_trip_whether_the_entry_waits_or_comes_later(
+        redis_server: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's read after each batch: the acknowledgements and one blocking ``XREADGROUP`` over every
+    stream in one pipeline (at 500 completions/s it was a pipeline of an ``XREADGROUP`` per stream that came
+    back empty, then the blocking read: two round trips, 10 commands)."""
+    import redis.connection
+
+    bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace)
+    bus.ensure_group("g")
+    bus.publish([_event("inst-1", 1)])
+    first = _read_n(bus, "g", "c", 1)
+    sent: list[int] = []  # round trips of this thread's (the reader's)
+    reader = threading.get_ident()
+    real = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        if threading.get_ident() == reader:
+            sent.append(1)
+        real(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    bus.publish([_event("inst-2", 2)])
+    sent.clear()
+    got = bus.ack_and_read("g", first, "c", ALL, 5000, 5.0)  # the entry waits
+    assert [d.event.data["n"] for d in got if d.event is not None] == [2]
+    assert len(sent) == 1 and bus.pending_count("g") == 1
+    later = threading.Timer(0.2, lambda: bus.publish([_event("inst-3", 3)]))
+    sent.clear()
+    later.start()
+    try:
+        got2 = bus.ack_and_read("g", got, "c", ALL, 5000, 5.0)  # it comes while the read blocks
+    finally:
+        later.join()
+    assert [d.event.data["n"] for d in got2 if d.event is not None] == [3]
+    assert len(sent) == 1 and bus.pending_count("g") == 1
+    bus.close()
+
+
 def test_redis_blocking_read_longer_than_the_socket_timeout(redis_server: str, redis_namespace: str) -> None:
     bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace, socket_timeout=0.4)
     try:

@@ -1078,7 +1078,9 @@ def test_the_stream_looks_at_its_lead_after_each_full_batch(walcap: Capture) -> 
     thread.join(30)
     stopped.set()
     assert not thread.is_alive()
-    assert capture.captured == 2
+    # One batch, not the six changes: two rows, or one when the walsender had not sent the second change yet as the
+    # stream found nothing waiting (what is pending then goes out: seen once in the full suite on two busy cores).
+    assert capture.captured in (1, 2)
 
 
 @pytest.mark.postgres
