@@ -93,7 +93,7 @@ class DriverStatement:
         self._types: list[Any] = []
         self._dialect = dialect
         self._row: Any = None
-        self._raw = b""  # the SQL in psycopg's server form, for a RawCursor
+        self._raw = ""  # the SQL in psycopg's server form, for a RawCursor
         self._order: tuple[str, ...] = ()  # the parameter of each $n
         if dialect.name != "postgresql" or dialect.driver != "psycopg":
             return
@@ -130,7 +130,8 @@ class DriverStatement:
         form = server_form(self._sql)
         if form is None or set(form[1]) != set(expanded.parameters):
             return
-        self._raw, self._order = form[0].encode(), form[1]
+        # Text, not bytes: psycopg encodes it in the connection's client encoding (a mapped name need not be ASCII).
+        self._raw, self._order = form[0], form[1]
         self._direct = True
 
     @property

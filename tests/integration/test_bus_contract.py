@@ -964,6 +964,7 @@ def test_redis_ack_and_read_is_one_round_trip_whether_the_entry_waits_or_comes_l
     """The scheduler's read after each batch: the acknowledgements and one blocking ``XREADGROUP`` over every
     stream in one pipeline (at 500 completions/s it was a pipeline of an ``XREADGROUP`` per stream that came
     back empty, then the blocking read: two round trips, 10 commands)."""
+    import redis
     import redis.connection
 
     bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace)
@@ -985,18 +986,78 @@ def test_redis_ack_and_read_is_one_round_trip_whether_the_entry_waits_or_comes_l
     got = bus.ack_and_read("g", first, "c", ALL, 5000, 5.0)  # the entry waits
     assert [d.event.data["n"] for d in got if d.event is not None] == [2]
     assert len(sent) == 1 and bus.pending_count("g") == 1
-    later = threading.Timer(0.2, lambda: bus.publish([_event("inst-3", 3)]))
+    watcher = redis.Redis.from_url(redis_server)
+
+    def publish_once_blocked() -> None:  # a blocked client (this test's reader, or another test's) first
+        deadline = time.monotonic() + 5
+        while int(watcher.info("clients")["blocked_clients"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        bus.publish([_event("inst-3", 3)])
+
+    later = threading.Thread(target=publish_once_blocked)
     sent.clear()
     later.start()
     try:
         got2 = bus.ack_and_read("g", got, "c", ALL, 5000, 5.0)  # it comes while the read blocks
     finally:
         later.join()
+        watcher.close()
     assert [d.event.data["n"] for d in got2 if d.event is not None] == [3]
     assert len(sent) == 1 and bus.pending_count("g") == 1
     bus.close()
 
 
+@pytest.mark.redis
+def test_redis_a_backlog_on_one_partition_still_comes_count_at_a_time(redis_server: str,
+                                                                     redis_namespace: str) -> None:
+    """A read asks each stream for its share of ``count`` in one command; a stream that filled its share is read
+    again for the rest, so a fan-out of one instance (one partition) is not read a share at a time."""
+    bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace)
+    try:
+        bus.ensure_group("g")
+        bus.publish([_event("inst-fan", n) for n in range(30)])
+        got = bus.read("g", "c", ALL, 16, 1.0)
+        assert [d.event.data["n"] for d in got if d.event is not None] == list(range(16))
+        rest = bus.read("g", "c", ALL, 16, 1.0)
+        assert [d.event.data["n"] for d in rest if d.event is not None] == list(range(16, 30))
+    finally:
+        bus.close()
+
+
+@pytest.mark.redis
+def test_redis_a_read_blocked_on_a_stream_deleted_meanwhile_recreates_it_and_goes_on(
+        redis_server: str, redis_namespace: str) -> None:
+    """Redis answers a read blocked on a stream that is deleted meanwhile (``FLUSHALL``, a namespace cleaned up)
+    with ``UNBLOCKED``: the data is gone, as with ``NOGROUP``, so the read recreates the group and goes on."""
+    import redis
+
+    bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace)
+    admin = redis.Redis.from_url(redis_server)
+    try:
+        bus.ensure_group("g")
+
+        def delete_then_publish() -> None:
+            deadline = time.monotonic() + 5
+            while int(admin.info("clients")["blocked_clients"]) < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            admin.delete(*(bus.keys.stream(p) for p in ALL))
+            bus.publish([_event("inst-after", 7)])
+
+        side = threading.Thread(target=delete_then_publish)
+        side.start()
+        try:
+            got = bus.read("g", "c", ALL, 100, 5.0)
+            if not got:  # the publish came after the recreated group's read returned: it is there now
+                got = bus.read("g", "c", ALL, 100, 5.0)
+        finally:
+            side.join()
+        assert [d.event.data["n"] for d in got if d.event is not None] == [7]
+    finally:
+        admin.close()
+        bus.close()
+
+
+@pytest.mark.redis
 def test_redis_blocking_read_longer_than_the_socket_timeout(redis_server: str, redis_namespace: str) -> None:
     bus = RedisStreamsBus(redis_server, partitions=P, namespace=redis_namespace, socket_timeout=0.4)
     try:

@@ -55,3 +55,35 @@ def test_a_listener_waits_on_its_socket_not_in_psycopgs_timed_wait(pg_url: str,
     finally:
         waiter.close()
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_listener_on_a_descriptor_past_1024_still_waits_and_wakes(pg_url: str) -> None:
+    """An application embedding the bus may hold more than 1,024 descriptors: ``select`` refuses such a one
+    (``ValueError``, which no handler expects); the wait polls."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}: `ulimit -Hn 2048` or more")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard) if hard != resource.RLIM_INFINITY else 2048,
+                                                    hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    engine = create_engine(pg_url)
+    waiter = ListenWaiter(engine, threading.Event(), CHANNEL)
+    try:
+        waiter.ensure_listening()
+        assert waiter._conn is not None and waiter._conn.fileno() >= 1024
+        assert waiter.wait(0.01) is False
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+            conn.execute("SELECT pg_notify(%s, 'late')", (CHANNEL,))
+        assert waiter.wait(10)
+        assert waiter.take_payloads() == {"late"}
+    finally:
+        waiter.close()
+        engine.dispose()
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
