@@ -209,8 +209,6 @@ SITECUSTOMIZE = textwrap.dedent('''
             _many = _psycopg.Cursor.executemany
 
             def _execute(self, query, *args, **kwargs):
-                if isinstance(query, bytes):  # the server form (bridge.db.driver)
-                    query = query.decode()
                 _bump(1, query if isinstance(query, str) else getattr(query, "as_string", lambda *_: query)(self))
                 return _exec(self, query, *args, **kwargs)
 

@@ -269,6 +269,12 @@ class RedisStreamsBus(EventBus):
     def ensure_group(self, group: str) -> None:
         self._create_groups(group, range(self.partitions))
 
+    def _recreate_groups(self, group: str, partitions: list[int]) -> None:
+        """A read found the group gone (``NOGROUP``, ``UNBLOCKED``): said, and made again."""
+        log.warning("bus %s: consumer group %r missing on partitions %s (data lost?); recreating it",
+                    self._display, group, partitions)
+        self._create_groups(group, partitions)
+
     def _create_groups(self, group: str, partitions: Iterable[int]) -> None:
         """``XGROUP CREATE ... 0 MKSTREAM`` on each partition; an existing group (BUSYGROUP) is fine."""
         name = self.keys.group(group)
@@ -375,9 +381,7 @@ class RedisStreamsBus(EventBus):
             # with UNBLOCKED: the data is gone, as with NOGROUP.
             if not (_is_nogroup(reply) or str(reply).startswith("UNBLOCKED")) or recreated:
                 raise reply
-            log.warning("bus %s: consumer group %r missing on partitions %s (data lost?); recreating it",
-                        self._display, group, parts)
-            self._create_groups(group, parts)
+            self._recreate_groups(group, parts)
             return self._read_blocking(group, consumer, parts, count, wait, recreated=True)
         out: list[Delivery] = []
         items = reply.items() if isinstance(reply, dict) else (reply or [])
@@ -428,9 +432,7 @@ class RedisStreamsBus(EventBus):
                 if len(entries) >= share:
                     again.append(p)  # it filled its share: it may hold more
             if vanished:
-                log.warning("bus %s: consumer group %r missing on partitions %s (data lost?); recreating it",
-                            self._display, group, vanished)
-                self._create_groups(group, vanished)
+                self._recreate_groups(group, vanished)
                 recreated = True
             candidates = vanished + again + candidates[len(asked):]
         return out
