@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -93,11 +94,20 @@ NOTICED_LIMIT = 10_000
 #: the claim come at once. The cost of waiting: a crash or a takeover in between publishes those events again
 #: (duplicates, same ids), and quiet rows (dispatches) wait up to this long for their publish.
 MARK_AFTER = 1.0
+#: The marking claim's timer is drawn from ``MARK_AFTER`` to ``(1 + MARK_SPREAD) * MARK_AFTER``: a fixed second kept
+#: step with a load at a steady rate (2 completions/s in ``bench.cost``: every other completion's notification came as
+#: the marking claim began, and waited for it).
+MARK_SPREAD = 0.5
 #: At most this many rows published from their notifications wait for the claim that marks them: the claim comes at
 #: once at the next. Without it, at 100 completions/s a claim came only when a notice fell outside EVENT_WINDOW (every
 #: ~30 completions), that completion's event with it, and with it the window's quiet rows in one burst: p99 3.5 ms
 #: became 6.1 to 6.4 (``bench.cost``, alternating runs, 2026-12-07).
 MARK_LIMIT = 16
+
+
+def mark_delay() -> float:
+    """Seconds until the claim that marks rows published from their notifications (:data:`MARK_SPREAD`)."""
+    return MARK_AFTER * (1.0 + MARK_SPREAD * random.random())
 
 
 def row_to_event(row: Any, statuses: StatusValues | None) -> CloudEvent:
@@ -389,6 +399,17 @@ class Relay:
         self._record(good, len(dead), fresh)
         return len(rows)
 
+    def _heard_meanwhile(self, waiter: Waiter) -> None:
+        """Before housekeeping or a claim that is due (the marking claim's timer, the bus epoch's check, a purge): a
+        notification that came since the last wait is handled first, as a wake-up is (:meth:`_after_wait`), its event
+        published at once. Read only after that work, it waited for all of it: ``bench.cost`` at 2 completions/s
+        (strace, 2026-12-07) traced a completion whose notification came during the epoch check and waited for it, the
+        marking claim and the backlog probe, 10 ms, the window's slowest dispatch. One non-blocking read of the
+        listener's socket."""
+        if waiter.hear_pending():
+            self._look = True  # a notice left to the claim (or anything else heard) is claimed now
+            self._publish_notices(waiter)
+
     def _publish_notices(self, waiter: Waiter) -> None:
         """Publish the events the capture trigger sent in its notifications (``send_event``: the first notifying
         change of each transaction) at once, before the claim that marks their rows published.
@@ -448,7 +469,7 @@ class Relay:
             # Every change heard went out already: the claim that marks them waits for more (MARK_AFTER).
             self._look = False
             if self._mark_due is None:
-                self._mark_due = time.monotonic() + MARK_AFTER
+                self._mark_due = time.monotonic() + mark_delay()
 
     def _record(self, published: Sequence[Any], dead: int, fresh: Sequence[Any]) -> None:
         """Metrics of a claim: ``published`` rows (``fresh``: those whose events this claim published, not only
@@ -719,6 +740,8 @@ class Relay:
                         stop.wait(self.settings.epoch_check_interval)
                         continue
                     if now >= next_purge:
+                        if listen:
+                            self._heard_meanwhile(waiter)
                         # The bus trim rides on the outbox's purge: its entries are the same publishes. An
                         # entry still unacknowledged at a purge waits for the next one (after the next
                         # publish), which bounds it without an idle relay asking anything.
@@ -732,6 +755,8 @@ class Relay:
                             self.metrics.backlog.labels(**self._labels).set(0)
                             self.metrics.oldest_age.labels(**self._labels).set(0.0)
                         next_purge = now + self.settings.purge_interval
+                    if listen:
+                        self._heard_meanwhile(waiter)
                     if self._mark_due is not None and now >= self._mark_due:
                         self._look = True  # the claim that marks what went out from notifications
                     look, self._look = self._look, True

@@ -92,6 +92,12 @@ class Waiter:
         self.stop.wait(timeout)
         return False
 
+    def hear_pending(self) -> bool:
+        """Take in, without waiting, the notifications that arrived since the last wait (they join what
+        :meth:`take_payloads` and :meth:`take_notices` return); True if any did. Never connects: a listener that is
+        closed has nothing pending."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -140,6 +146,19 @@ class ListenWaiter(Waiter):
             self.close()
             self.stop.wait(min(timeout, 1.0))
             return False
+
+    def hear_pending(self) -> bool:
+        if self._conn is None or self._conn.closed:
+            return False
+        try:
+            got = [n.payload for n in self._conn.notifies(timeout=0)]
+        except psycopg.Error as exc:  # as in wait: the next wait reconnects, and a fresh LISTEN is followed by a look
+            log.warning("listener on %s lost its connection (%s); falling back to the timer", self.channel,
+                        type(exc).__name__)
+            self.close()
+            return False
+        self._payloads.update(got)
+        return bool(got)
 
     def close(self) -> None:
         """Stop listening; what was heard and not taken is dropped (a new LISTEN is followed by a look at what

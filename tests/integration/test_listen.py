@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import threading
 from typing import Any
 
@@ -87,3 +88,32 @@ def test_a_listener_on_a_descriptor_past_1024_still_waits_and_wakes(pg_url: str)
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.postgres
+def test_what_arrived_since_the_last_wait_is_heard_without_waiting(pg_url: str) -> None:
+    """``hear_pending`` (the relay, before housekeeping or a claim that is due): a notification already on the
+    listener's socket is taken in at once, none is nothing, and a closed listener is not reconnected for it."""
+    engine = create_engine(pg_url)
+    waiter = ListenWaiter(engine, threading.Event(), CHANNEL)
+    try:
+        assert not waiter.hear_pending()  # never listened: nothing, and no connection made
+        assert waiter._conn is None
+        waiter.ensure_listening()
+        assert not waiter.hear_pending()
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+            conn.execute("SELECT pg_notify(%s, 'pending')", (CHANNEL,))
+        # On the socket by now or soon: the listener's backend sends it once the sender's commit signals it.
+        conn_fd = waiter._conn.fileno()  # type: ignore[union-attr]
+        poller = select.poll()
+        poller.register(conn_fd, select.POLLIN)
+        assert poller.poll(10_000), "the notification never reached the listener's socket"
+        assert waiter.hear_pending()
+        assert waiter.take_notices("pend") == ["pending"]
+        assert not waiter.hear_pending()
+        waiter.close()
+        assert not waiter.hear_pending()
+        assert waiter._conn is None
+    finally:
+        waiter.close()
+        engine.dispose()

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1343,6 +1344,58 @@ def test_a_relay_that_stops_marks_the_rows_it_published_from_notifications(
     # The next relay finds nothing to publish again.
     assert Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses).publish_batch() == 0
     assert audit.collect({event_id}) == {event_id}
+
+
+def test_a_notice_heard_as_the_marking_claim_falls_due_goes_out_before_that_claim(
+        env: Env, running: Callable[[Relay], threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race at the marking claim's timer: a change commits as the relay wakes for that claim. Its notification is
+    published first, then the claim marks both rows; read only after the claim (and the housekeeping before it), its
+    event went out with the claim's round trips (at 2 completions/s in ``bench.cost``: the slowest dispatch)."""
+    relay, _, claims, audit = _idle_with_deferred_marks(env, running, monkeypatch, 0.3)
+    listener: list[object] = []
+    idle = relay._idle_listening
+
+    def idle_listening(waiter: object, *args: object) -> None:
+        listener[:] = [waiter]
+        idle(waiter, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay, "_idle_listening", idle_listening)
+    raced = threading.Event()
+    housekeeping = relay._schedule_log_purge
+
+    def race(now: float) -> None:
+        # The marking iteration: the change commits, and its notification reaches the listener's socket, before the
+        # relay goes on to the claim.
+        if not raced.is_set() and relay._mark_due is not None and now >= relay._mark_due:
+            raced.set()
+            add_tasks(env, "race", 1)
+            conn = listener[0]._conn  # type: ignore[attr-defined]
+            poller = select.poll()
+            poller.register(conn.fileno(), select.POLLIN)
+            assert poller.poll(10_000), "the notification did not reach the relay's listener"
+        housekeeping(now)
+
+    monkeypatch.setattr(relay, "_schedule_log_purge", race)
+    add_tasks(env, "first", 1)
+    wait_for(lambda: claims, 15, what="the marking claim")
+    assert raced.is_set()
+    assert relay.metrics.value("pollbridge_relay_notified_published_total") == 2, \
+        "the change that raced the marking claim went out with the claim, not from its notification"
+    assert claims[0] == 2, "the claim did not mark both rows"
+    assert not _unpublished(env)
+    everything = outbox_event_ids(env)
+    assert audit.collect(everything) == everything
+    ids = [d.event.id for d in audit.seen if d.event is not None]
+    assert sorted(ids) == sorted(everything), f"published twice: {ids}"
+
+
+def test_the_marking_claims_timer_is_spread() -> None:
+    """Drawn from ``MARK_AFTER`` to ``(1 + MARK_SPREAD) * MARK_AFTER``: a fixed delay kept step with a load at a steady
+    rate (2 completions/s: every other completion's notification came as the marking claim began)."""
+    delays = [relay_module.mark_delay() for _ in range(200)]
+    low, high = relay_module.MARK_AFTER, (1 + relay_module.MARK_SPREAD) * relay_module.MARK_AFTER
+    assert all(low <= d <= high for d in delays)
+    assert max(delays) - min(delays) > 0.6 * (high - low), "the timer is not spread"
 
 
 def test_the_marking_claim_comes_at_once_when_enough_rows_wait_for_it(
