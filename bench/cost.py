@@ -50,6 +50,9 @@ next, so that drift and other load on the machine fall on all of them.
 * *transactions/s* and *statements/s* over the window and its drain;
 * *ready → dispatch* p50/p99: ``dispatched_at - ready_at`` of the ``t1`` dispatches whose ``ready_at`` (the
   ``t0``'s ``completed_at``) falls in the window, from the dispatch log, nearest rank, ranked in SQL;
+* *where it went* (``stages``): ready → dispatch split where the completer's ``COMMIT`` returned (its batches'
+  times, recorded by the bench): ``completer_commit``, the client's own commit, and ``commit_to_dispatch``, what
+  the configuration took after it (see ``_stages``);
 * *CPU seconds per 1,000 completions* of the configuration's processes (``/proc``; idle: % of a core), the
   CPU of the scratch database's backends, and how busy the rest of the machine was;
 * *stranded* (a ``t1`` whose ``t0`` completed in the window and that was still not dispatched
@@ -69,6 +72,7 @@ the figures are reported, not held against targets.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import math
 import os
@@ -374,8 +378,10 @@ def window(setup: Setup, rate: float, seconds: float, settle: float) -> dict[str
         cpu0, texts0 = children.cpu(), children.statement_texts()
         t0 = ins.now()
         started = time.perf_counter()
+        commits: list[tuple[float, float]] = []
         if rate:
-            completed = complete(engine, "", rate, seconds, statement=COMPLETE_T0[config.path.backend])
+            completed = complete(engine, "", rate, seconds, statement=COMPLETE_T0[config.path.backend],
+                                 commits=commits)
         else:
             completed = 0
             time.sleep(seconds)
@@ -447,7 +453,7 @@ def window(setup: Setup, rate: float, seconds: float, settle: float) -> dict[str
                        "rollbacks": None if r0 is None or r1 is None else r1 - r0,
                        "transactions_per_s": round(transactions / span, 2),
                        "transactions_per_completion": round(transactions / completed, 2) if completed else None})
-    result.update(check(setup, t0, t1))
+    result.update(check(setup, t0, t1, commits))
     return result
 
 
@@ -456,8 +462,9 @@ def _begins(before: dict[str, Any], after: dict[str, Any]) -> int:
     return sum(n - old.get(t, 0) for t, n in after.get("texts", {}).items() if t.startswith("BEGIN IMMEDIATE"))
 
 
-def check(setup: Setup, t0: Any, t1: Any) -> dict[str, Any]:
-    """Latency of the ``t1`` dispatches made ready in the window, and the oracle's doubled / early."""
+def check(setup: Setup, t0: Any, t1: Any, commits: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """Latency of the ``t1`` dispatches made ready in the window (split at the completer's commit, given its
+    batches' ``commits``), and the oracle's doubled / early."""
     dialect = setup.config.path.backend
     if dialect == "postgresql":
         window_sql = "ready_at >= :t0 AND ready_at < :t1"
@@ -483,7 +490,7 @@ def check(setup: Setup, t0: Any, t1: Any) -> dict[str, Any]:
                 # Statistics of now, not of the seed: with the seed's, the planner joined the outbox to the tasks
                 # by nested loops (85 s after a 20 s window at 500/s, auto_explain, 2026-12-07).
                 conn.exec_driver_sql("ANALYZE pollbridge_outbox, tasks, pollbridge_dispatch_log")
-            stages = _stages(execute, dialect, window_sql, params)
+            stages = _stages(execute, dialect, window_sql, params, commits or [])
             # The ready time the dispatch log records is the upstream's completion (checked, not assumed).
             mismatched = execute(f"SELECT count(*) FROM pollbridge_dispatch_log l JOIN tasks p ON p.instance_id = "
                                  f"l.instance_id AND p.task_key = 't0' WHERE l.task_key = 't1' AND "
@@ -497,31 +504,35 @@ def check(setup: Setup, t0: Any, t1: Any) -> dict[str, Any]:
             "doubled": verdict.double_dispatched, "early": verdict.early, "problems": list(verdict.problems[:5])}
 
 
-#: Where a dispatch's latency went: from the upstream's completion to its outbox row's ``published_at`` (set by
-#: the relay's claim or by the log's batch), and from there to the dispatch. With the log, and with triggers
-#: before the relay published events from their notifications, that mark was the publication (the completer's
-#: commit, the capture, the relay's wake-up and claim; then the bus, the scheduler's wake-up, its read, evaluation
-#: and compare-and-set). A trigger's notified event is published before the claim marks its row, so there the
-#: first stage ends after the publish and the second can be negative: they say when the claim came, not where
-#: the dispatch's time went.
-_STAGES = {
-    "postgresql": ("extract(epoch FROM o.published_at - p.completed_at) * 1000",
-                   "extract(epoch FROM l.dispatched_at - o.published_at) * 1000"),
-    "sqlite": ("(julianday(o.published_at) - julianday(p.completed_at)) * 86400000.0",
-               "(julianday(l.dispatched_at) - julianday(o.published_at)) * 86400000.0"),
-}
+#: A timestamp as Unix seconds, per dialect.
+_EPOCH = {"postgresql": "extract(epoch FROM {})", "sqlite": "(julianday({}) - 2440587.5) * 86400.0"}
 
 
-def _stages(execute: Any, dialect: str, window_sql: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Each stage of :data:`_STAGES` (n, p50, p90, p99, max in ms) over the window's ``t1`` dispatches whose
-    upstream's captured completion is still in the outbox (``relay.retention``: an hour)."""
-    published, dispatched = _STAGES[dialect]
-    rows = execute(f"SELECT {published}, {dispatched} FROM pollbridge_dispatch_log l JOIN tasks p ON "
-                   f"p.instance_id = l.instance_id AND p.task_key = 't0' JOIN pollbridge_outbox o ON "
-                   f"o.task_id = CAST(p.id AS TEXT) AND o.new_status = 'completed' AND o.published_at IS NOT NULL "
-                   f"WHERE l.task_key = 't1' AND {window_sql.replace('ready_at', 'l.ready_at')}", params)
-    return {"completed_to_published": latency_summary([float(r[0]) for r in rows]),
-            "published_to_dispatched": latency_summary([float(r[1]) for r in rows])}
+def _stages(execute: Any, dialect: str, window_sql: str, params: dict[str, Any],
+            commits: list[tuple[float, float]]) -> dict[str, Any]:
+    """Where the window's ``t1`` dispatches' latency went, split at the completer's commit (n, p50, p90, p99, max
+    in ms): ``completer_commit``, from the upstream's ``completed_at`` (set by the completer's ``UPDATE``) until
+    the completer's ``COMMIT`` returned, the client's own write (its WAL flush; the capture trigger's work
+    included), which ready → dispatch counts and nothing downstream can shorten; ``commit_to_dispatch``, from
+    then to ``dispatched_at``: what the configuration took (capture's notification, the relay, the bus, the
+    scheduler). A dispatch whose completion falls in no recorded batch is left out. Measured apart because
+    on this machine a one-row commit now and then takes 5 to 100 ms (one 104 ms ``COMMIT`` in PostgreSQL's
+    log, 2026-12-07): a window's p99 at 2 completions/s is its second slowest dispatch."""
+    epoch = _EPOCH[dialect]
+    rows = execute(f"SELECT {epoch.format('p.completed_at')}, {epoch.format('l.dispatched_at')} "
+                   f"FROM pollbridge_dispatch_log l JOIN tasks p ON p.instance_id = l.instance_id "
+                   f"AND p.task_key = 't0' WHERE l.task_key = 't1' AND "
+                   f"{window_sql.replace('ready_at', 'l.ready_at')}", params)
+    starts = [b for b, _ in commits]
+    waits, after = [], []
+    for completed, dispatched in rows:
+        i = bisect.bisect_right(starts, float(completed)) - 1
+        if i < 0 or float(completed) > commits[i][1]:
+            continue
+        end = commits[i][1]
+        waits.append((end - float(completed)) * 1000)
+        after.append((float(dispatched) - end) * 1000)
+    return {"completer_commit": latency_summary(waits), "commit_to_dispatch": latency_summary(after)}
 
 
 # --- the run -------------------------------------------------------------------------------------------
@@ -550,13 +561,14 @@ def run(configs: list[Config], rates: list[float], seconds: float, settle: float
                     results["windows"].append({"config": config.name, "rate": rate, "error": str(exc)})
                     continue
                 results["windows"].append(r)
+                commit, after = r["stages"]["completer_commit"], r["stages"]["commit_to_dispatch"]
                 print(f"[{config.name}] {r['completions_per_s']:g} completions/s: "
                       f"{_or(r.get('transactions_per_completion'))} transactions and "
                       f"{_or(r['statements_per_completion'])} statements per completion, "
                       f"{_or(r.get('transactions_per_s'))} transactions/s, {r['statements_per_s']} statements/s, "
-                      f"p50 {_or(r['p50_ms'])} ms p99 {_or(r['p99_ms'])} ms (n={r['latency']['n']}; p50 "
-                      f"{_or(r['stages']['completed_to_published']['p50_ms'])} ms to the outbox's published_at, "
-                      f"{_or(r['stages']['published_to_dispatched']['p50_ms'])} ms from it to the dispatch), "
+                      f"p50 {_or(r['p50_ms'])} ms p99 {_or(r['p99_ms'])} ms (n={r['latency']['n']}; "
+                      f"the completer's commit p50 {_or(commit['p50_ms'])} max {_or(commit['max_ms'])} ms; "
+                      f"from it to the dispatch p50 {_or(after['p50_ms'])} p99 {_or(after['p99_ms'])} ms), "
                       f"stranded {r['stranded']}, others {r['load']['other_cpu_pct']}% of a core", flush=True)
     return results
 

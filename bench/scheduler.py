@@ -225,9 +225,11 @@ def db_clock(engine: sa.Engine) -> datetime:
 
 
 def complete(engine: sa.Engine, prefix: str, rate: float | None, seconds: float,
-             each_second: Any = None, statement: str = COMPLETE_BATCH) -> int:
+             each_second: Any = None, statement: str = COMPLETE_BATCH,
+             commits: list[tuple[float, float]] | None = None) -> int:
     """Complete dispatched tasks, paced at ``rate`` per second (None: as fast as possible), each batch one
-    transaction of ``statement`` (bind parameters ``:n``, the batch size, and ``:p``, the prefix)."""
+    transaction of ``statement`` (bind parameters ``:n``, the batch size, and ``:p``, the prefix). ``commits``:
+    each batch's (start, end of its commit) in Unix seconds is appended to it."""
     done = 0
     started = time.perf_counter()
     tick = 0
@@ -244,8 +246,11 @@ def complete(engine: sa.Engine, prefix: str, rate: float | None, seconds: float,
                 n = min(due, 200)
             else:
                 n = 500
+            begun = time.time()
             with conn.begin():
                 done += conn.execute(sa.text(statement), {"n": n, "p": prefix}).rowcount
+            if commits is not None:
+                commits.append((begun, time.time()))
     return done
 
 

@@ -115,6 +115,20 @@ def test_cost_counts_sqlite_write_transactions_and_plots(tmp_path: Path) -> None
     assert png.stat().st_size > 1000
 
 
+def test_cost_splits_latency_at_the_completers_commit() -> None:
+    """Each dispatch's latency is split where its completion's batch committed; one outside every batch is left
+    out (not paired with a neighbour's commit)."""
+    from bench import cost
+
+    commits = [(100.0, 100.002), (100.5, 100.530)]  # the second commit took 30 ms
+    rows = [(100.001, 100.005), (100.501, 100.534), (100.2, 100.3)]  # the last falls between batches
+    stages = cost._stages(lambda _q, _p: rows, "postgresql", "ready_at >= :t0", {}, commits)
+    assert stages["completer_commit"]["n"] == 2 and stages["commit_to_dispatch"]["n"] == 2
+    assert stages["completer_commit"]["max_ms"] == pytest.approx(29.0)
+    assert stages["commit_to_dispatch"]["max_ms"] == pytest.approx(4.0)
+    assert stages["commit_to_dispatch"]["p50_ms"] == pytest.approx(3.0)
+
+
 def test_backends_reports_an_unknown_backend_and_summarises() -> None:
     import contextlib
 
