@@ -19,8 +19,8 @@ window are not replayed: the scheduler's catch-up from the database and the poll
 
 With capture triggers on PostgreSQL and a bus apart from the database, the event of a notifying change also rides in
 its notification and is published as soon as it is heard (:meth:`Relay._publish_notices`); the claim then only marks
-its row, and waits up to :data:`MARK_AFTER` so that one claim marks a trickle's rows. The row stays unpublished until
-then, so at least once holds as above.
+its row, and waits (:func:`mark_delay`, 1 to 1.5 s) so that one claim marks a trickle's rows. The row stays
+unpublished until then, so at least once holds as above.
 
 The statements are built in :mod:`bridge.capture.queries`; the relay only runs them.
 """
