@@ -524,9 +524,12 @@ def _stages(execute: Any, dialect: str, window_sql: str, params: dict[str, Any],
                    f"AND p.task_key = 't0' WHERE l.task_key = 't1' AND "
                    f"{window_sql.replace('ready_at', 'l.ready_at')}", params)
     starts = [b for b, _ in commits]
+    # SQLite stamps completed_at to the millisecond, rounded down: it may read up to 1 ms before its batch began.
+    # (Both clocks are this host's: the bench and the database run on one machine.)
+    slack = 0.001 if dialect == "sqlite" else 0.0
     waits, after = [], []
     for completed, dispatched in rows:
-        i = bisect.bisect_right(starts, float(completed)) - 1
+        i = bisect.bisect_right(starts, float(completed) + slack) - 1
         if i < 0 or float(completed) > commits[i][1]:
             continue
         end = commits[i][1]

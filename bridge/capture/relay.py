@@ -92,7 +92,7 @@ NOTICED_LIMIT = 10_000
 #: event path's transactions. A change whose notification carried no event (folded into its transaction's first,
 #: behind an unpublished row of its instance, too large), anything else heard, or a notice left to the claim makes
 #: the claim come at once. The cost of waiting: a crash or a takeover in between publishes those events again
-#: (duplicates, same ids), and quiet rows (dispatches) wait up to this long for their publish.
+#: (duplicates, same ids), and quiet rows (dispatches) wait up to this long (times 1 + MARK_SPREAD) for their publish.
 MARK_AFTER = 1.0
 #: The marking claim's timer is drawn from ``MARK_AFTER`` to ``(1 + MARK_SPREAD) * MARK_AFTER``: a fixed second kept
 #: step with a load at a steady rate (2 completions/s in ``bench.cost``: every other completion's notification came as
@@ -400,15 +400,21 @@ class Relay:
         return len(rows)
 
     def _heard_meanwhile(self, waiter: Waiter) -> None:
-        """Before housekeeping or a claim that is due (the marking claim's timer, the bus epoch's check, a purge): a
-        notification that came since the last wait is handled first, as a wake-up is (:meth:`_after_wait`), its event
-        published at once. Read only after that work, it waited for all of it: ``bench.cost`` at 2 completions/s
-        (strace, 2026-12-07) traced a completion whose notification came during the epoch check and waited for it, the
-        marking claim and the backlog probe, 10 ms, the window's slowest dispatch. One non-blocking read of the
-        listener's socket."""
-        if waiter.hear_pending():
-            self._look = True  # a notice left to the claim (or anything else heard) is claimed now
-            self._publish_notices(waiter)
+        """Before a purge and before the claim decision, when no claim is owed (the relay woke for a timer: the
+        marking claim, the bus epoch's check, a purge): a notification that came since the last wait is handled as a
+        wake-up is (:meth:`_after_wait`), its event published first. Read only after that work, it waited for all of
+        it: ``bench.cost`` at 2 completions/s (strace, 2026-12-07) traced a completion whose notification came during
+        the epoch check and waited for the marking claim and the backlog probe too, 10 ms, the window's slowest
+        dispatch. One non-blocking read of the listener's socket.
+
+        When a claim is owed already (a fresh LISTEN, a bus-loss replay, a full batch, the idle probe, a notice left to
+        the claim) nothing is published here: that claim comes first and takes the notified rows with the rest, in
+        their order (a notified event published ahead of a replay would overtake its instance's replayed rows); what
+        was heard is dropped with the next wait's payloads, as a notice of a row already claimed would be."""
+        if self._look or not waiter.hear_pending():
+            return
+        self._look = True  # a notice left to the claim (or anything else heard) is claimed now
+        self._publish_notices(waiter)
 
     def _publish_notices(self, waiter: Waiter) -> None:
         """Publish the events the capture trigger sent in its notifications (``send_event``: the first notifying
@@ -466,7 +472,7 @@ class Relay:
         # notice of a writer that read the flag up must not hold back the claim that publishes them.
         if not left and not waiter.heard_other() and self._horizon is None and self._unmarked < MARK_LIMIT \
                 and (self.wake == "notify" or self._armed):
-            # Every change heard went out already: the claim that marks them waits for more (MARK_AFTER).
+            # Every change heard went out already: the claim that marks them waits for more (mark_delay).
             self._look = False
             if self._mark_due is None:
                 self._mark_due = time.monotonic() + mark_delay()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -114,6 +115,34 @@ def test_what_arrived_since_the_last_wait_is_heard_without_waiting(pg_url: str) 
         waiter.close()
         assert not waiter.hear_pending()
         assert waiter._conn is None
+    finally:
+        waiter.close()
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_listener_lost_is_found_by_hear_pending_and_listens_afresh(pg_url: str) -> None:
+    """The listener's backend ended: ``hear_pending`` says nothing is pending and closes it, and the next
+    ``ensure_listening`` connects again and says so (the relay then claims what committed meanwhile)."""
+    engine = create_engine(pg_url)
+    waiter = ListenWaiter(engine, threading.Event(), CHANNEL)
+    try:
+        waiter.ensure_listening()
+        assert waiter._conn is not None
+        pid = waiter._conn.info.backend_pid
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+            assert conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+        # The backend sends its FATAL message, then closes the socket: the read that meets the end of the
+        # connection (not the one that meets the message) fails, and hear_pending closes the listener.
+        poller = select.poll()
+        poller.register(waiter._conn.fileno(), select.POLLIN)
+        deadline = time.monotonic() + 10
+        while waiter._conn is not None and time.monotonic() < deadline:
+            assert poller.poll(10_000), "the terminated backend never wrote to the listener's socket"
+            assert not waiter.hear_pending()
+        assert waiter._conn is None, "the lost listener was not closed"
+        assert waiter.ensure_listening(), "a fresh LISTEN must be reported, so that the caller looks again"
+        assert waiter._conn is not None and waiter._conn.info.backend_pid != pid
     finally:
         waiter.close()
         engine.dispose()

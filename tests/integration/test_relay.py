@@ -1389,6 +1389,41 @@ def test_a_notice_heard_as_the_marking_claim_falls_due_goes_out_before_that_clai
     assert sorted(ids) == sorted(everything), f"published twice: {ids}"
 
 
+def test_a_notice_heard_when_a_claim_is_owed_is_left_to_that_claim(env: Env) -> None:
+    """With a claim owed (a fresh LISTEN, a bus-loss replay, a full batch, the idle probe) a notification already
+    waiting is not published ahead of it: that claim takes the row, in order with the rest (an event published ahead
+    of a replay would overtake its instance's replayed rows), and is not put off to the marking timer. With no claim
+    owed (the relay woke for a timer) the same notice goes out at once."""
+    _postgres_only(env)
+    if env.bus_url is None:
+        pytest.skip("with the embedded bus the relay publishes nothing from notifications")
+    relay = Relay(env.engine, env.open_bus(), LISTENING, statuses=env.tables.mapping.statuses)
+    relay._arm()  # the trigger's flag up: its notifications carry their events
+    waiter = ListenWaiter(env.engine, threading.Event(), OUTBOX_CHANNEL)
+    try:
+        waiter.ensure_listening()
+
+        def heard(instance: str) -> None:
+            add_tasks(env, instance, 1)
+            poller = select.poll()
+            poller.register(waiter._conn.fileno(), select.POLLIN)  # type: ignore[union-attr]
+            assert poller.poll(10_000), "the notification did not reach the listener"
+
+        heard("owed")
+        relay._look = True
+        relay._heard_meanwhile(waiter)
+        assert relay._look, "the owed claim was put off"
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 0, \
+            "a notice was published ahead of the owed claim"
+        assert relay.publish_batch() == 1  # the owed claim takes the row
+        heard("timer")
+        relay._look = False
+        relay._heard_meanwhile(waiter)
+        assert relay.metrics.value("pollbridge_relay_notified_published_total") == 1
+    finally:
+        waiter.close()
+
+
 def test_the_marking_claims_timer_is_spread() -> None:
     """Drawn from ``MARK_AFTER`` to ``(1 + MARK_SPREAD) * MARK_AFTER``: a fixed delay kept step with a load at a steady
     rate (2 completions/s: every other completion's notification came as the marking claim began)."""

@@ -120,13 +120,16 @@ def test_cost_splits_latency_at_the_completers_commit() -> None:
     out (not paired with a neighbour's commit)."""
     from bench import cost
 
-    commits = [(100.0, 100.002), (100.5, 100.530)]  # the second commit took 30 ms
+    commits = [(100.0, 100.002), (100.5004, 100.530)]  # the second commit took 30 ms
     rows = [(100.001, 100.005), (100.501, 100.534), (100.2, 100.3)]  # the last falls between batches
     stages = cost._stages(lambda _q, _p: rows, "postgresql", "ready_at >= :t0", {}, commits)
     assert stages["completer_commit"]["n"] == 2 and stages["commit_to_dispatch"]["n"] == 2
     assert stages["completer_commit"]["max_ms"] == pytest.approx(29.0)
     assert stages["commit_to_dispatch"]["max_ms"] == pytest.approx(4.0)
     assert stages["commit_to_dispatch"]["p50_ms"] == pytest.approx(3.0)
+    # SQLite's millisecond stamp, rounded down, can fall just before its batch began: still that batch's.
+    sqlite = cost._stages(lambda _q, _p: [(100.500, 100.534)], "sqlite", "ready_at >= :t0", {}, commits)
+    assert sqlite["completer_commit"]["n"] == 1 and sqlite["commit_to_dispatch"]["max_ms"] == pytest.approx(4.0)
 
 
 def test_backends_reports_an_unknown_backend_and_summarises() -> None:
