@@ -24,7 +24,11 @@ database clock; nearest rank) p50 / p90 / p99 / max, overall and by what made th
 *arrival* (a root task inserted), a *dependency* (an upstream's completion), a *timer* (its due time) or an
 *approval* (the signal); how the rest of the machine was loaded; and the invariant oracle
 (``bridge.reference.oracle.verify``: nothing lost, dispatched twice or early). The slowest dispatches are listed
-with their kind, for tracing the tail (``pollbridge explain`` shows a task's stages).
+with their kind, for tracing the tail (``pollbridge explain`` shows a task's stages). On PostgreSQL with
+``track_commit_timestamp`` a *dependency*'s wait is split where its last upstream's completion committed (the
+completed row's commit timestamp): the worker's own commit, which nothing downstream can shorten, and what the
+event path took after it, and on Redis that part again where the relay added the event (the entry id's
+millisecond); the slowest list gives the worker's commit and the event's time to the bus as its last two fields.
 
 Exit status 1 when something broke (a process died, a task never completed, a dispatch doubled or early), else
 0: the figures are reported, not held against targets (issue 20's target: p99 ≤ 50 ms in five runs of five).
@@ -49,6 +53,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import redis
 import sqlalchemy as sa
 
 from bench import _paths_common as pc
@@ -56,8 +61,9 @@ from bench.common import REDIS_URL, delete_namespace, latency_summary, scratch_d
 from bench.cost import CONFIGS, Config, _drop_slot, _remove_sqlite, _wal_streaming
 from bench.paths import TYPES, start_processes
 from bridge.app import install
+from bridge.bus.keys import FIELD_PAYLOAD, BusKeys
 from bridge.core.mapping import TaskTableMapping
-from bridge.core.settings import CaptureSettings
+from bridge.core.settings import BusSettings, CaptureSettings
 from bridge.db.engine import create_engine
 from bridge.reference.oracle import verify
 from bridge.reference.workload import SHAPES, TaskSpec, WorkflowSpec, make_shape, seed
@@ -162,7 +168,37 @@ def _as_time(value: Any) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def measure(engine: sa.Engine, plan: Plan) -> dict[str, Any]:
+def _completion_commits(conn: sa.Connection) -> dict[tuple[str, str], datetime]:
+    """When each completed task's completion committed, by (instance, key): the commit timestamp of the row's
+    last writer (``track_commit_timestamp``; nothing writes a completed row again). Empty on SQLite or when the
+    server keeps no commit timestamps."""
+    if conn.dialect.name != "postgresql" or conn.execute(sa.text("SHOW track_commit_timestamp")).scalar() != "on":
+        return {}
+    rows = conn.execute(sa.text("SELECT instance_id, task_key, pg_xact_commit_timestamp(xmin) AS committed "
+                                "FROM tasks WHERE status = 'completed'")).all()
+    return {(str(r.instance_id), str(r.task_key)): r.committed for r in rows if r.committed is not None}
+
+
+def _completions_published(namespace: str) -> dict[tuple[str, str], datetime]:
+    """When each completion's event was first added to the Redis bus, by (instance, key): the entry id's
+    milliseconds (Redis stamps an auto id with its clock, this machine's); the relay may publish twice."""
+    client = redis.Redis.from_url(REDIS_URL)
+    published: dict[tuple[str, str], datetime] = {}
+    try:
+        for stream in BusKeys(namespace).streams(BusSettings().partitions):
+            for entry_id, fields in client.xrange(stream):
+                data = json.loads(fields[FIELD_PAYLOAD.encode()]).get("data", {})
+                if data.get("new_status") != "completed":
+                    continue
+                at = datetime.fromtimestamp(int(entry_id.split(b"-")[0]) / 1000, UTC)
+                key = (str(data.get("instance_id")), str(data.get("task_key")))
+                published[key] = min(at, published.get(key, at))
+    finally:
+        client.close()
+    return published
+
+
+def measure(engine: sa.Engine, plan: Plan, namespace: str | None = None) -> dict[str, Any]:
     tables = reflect_tables(engine, TaskTableMapping())
     with engine.connect() as conn:
         rows = conn.execute(sa.text(
@@ -171,18 +207,52 @@ def measure(engine: sa.Engine, plan: Plan) -> dict[str, Any]:
             "JOIN tasks t ON CAST(t.id AS TEXT) = l.task_id WHERE l.path = 'events'")).all()
         verdict = verify(conn, tables, [s.instance_id for s in plan.specs])
         tasks = conn.execute(sa.text("SELECT count(*) FROM tasks")).scalar_one()
+        commits = _completion_commits(conn)
+    published = _completions_published(namespace) if namespace and commits else {}
     by_kind: dict[str, list[float]] = {}
     everything: list[float] = []
-    slowest: list[tuple[float, str, str, str]] = []
+    # A dependency's wait split where its last upstream's completion committed: the worker's own commit (after
+    # the completed_at its UPDATE stamped), then what the event path took once the change was visible.
+    # On Redis, the part after the commit is split again where the relay added the event (to the millisecond).
+    worker_commit: list[float] = []
+    after_commit: list[float] = []
+    to_bus: list[float] = []
+    bus_to_dispatch: list[float] = []
+    slowest: list[tuple[float, str, str, str, float | None, float | None]] = []
     for r in rows:
-        ms = (_as_time(r.dispatched_at) - _as_time(r.ready_at)).total_seconds() * 1000
+        dispatched, ready = _as_time(r.dispatched_at), _as_time(r.ready_at)
+        ms = (dispatched - ready).total_seconds() * 1000
         kind = _kind(r)
         by_kind.setdefault(kind, []).append(ms)
         everything.append(ms)
-        slowest.append((round(ms, 2), kind, str(r.instance_id), str(r.task_key)))
-    slowest.sort(reverse=True)
+        commit_ms: float | None = None
+        bus_ms: float | None = None
+        if kind == "dependency" and commits:
+            deps = json.loads(r.depends_on) if isinstance(r.depends_on, str) else r.depends_on
+            committed = [commits.get((str(r.instance_id), str(k))) for k in deps]
+            if committed and None not in committed:
+                last = _as_time(max(c for c in committed if c is not None))
+                if ready <= last <= dispatched:
+                    commit_ms = (last - ready).total_seconds() * 1000
+                    worker_commit.append(commit_ms)
+                    after_commit.append((dispatched - last).total_seconds() * 1000)
+                    added = [published.get((str(r.instance_id), str(k))) for k in deps]
+                    if published and None not in added:
+                        on_bus = max(a for a in added if a is not None)
+                        bus_ms = (on_bus - last).total_seconds() * 1000
+                        to_bus.append(bus_ms)
+                        bus_to_dispatch.append((dispatched - on_bus).total_seconds() * 1000)
+        slowest.append((round(ms, 2), kind, str(r.instance_id), str(r.task_key),
+                        None if commit_ms is None else round(commit_ms, 2),
+                        None if bus_ms is None else round(bus_ms, 2)))
+    slowest.sort(key=lambda s: s[0], reverse=True)
     return {"latency": latency_summary(everything),
             "by_kind": {k: latency_summary(v) for k, v in sorted(by_kind.items())},
+            "dependency_split": {"worker_commit": latency_summary(worker_commit),
+                                 "commit_to_dispatch": latency_summary(after_commit),
+                                 "commit_to_bus_ms_resolution": latency_summary(to_bus),
+                                 "bus_to_dispatch_ms_resolution": latency_summary(bus_to_dispatch)}
+            if worker_commit else None,
             "slowest": slowest[:8], "tasks": int(tasks), "dispatches": len(rows),
             "lost": verdict.lost, "completed": verdict.completed, "doubled": verdict.double_dispatched,
             "early": verdict.early, "problems": list(verdict.problems[:5])}
@@ -252,7 +322,7 @@ def one_run(config: Config, n: int, args: argparse.Namespace) -> dict[str, Any]:
         machine_load = load.stop()
         signaller.close()
         children.stop_all()
-        result = measure(engine, plan)
+        result = measure(engine, plan, namespace if config.pg else None)
     result.update({"config": config.name, "run": n + 1, "arrivals_s": round(arrivals, 1),
                    "finished_s": round(finished, 1), "unfinished": int(left), "signals_sent": signaller.sent,
                    "signal_failures": signaller.failures[:5], "load": machine_load, "logs": str(workdir)})
@@ -268,14 +338,22 @@ def print_report(results: list[dict[str, Any]]) -> None:
     rows = []
     for r in results:
         if r.get("error"):
-            rows.append([r["config"], r["run"], "error", r["error"][:60], "", "", "", "", "", ""])
+            rows.append([r["config"], r["run"], "error", r["error"][:60], "", "", "", "", "", "", ""])
             continue
         lat, kinds = r["latency"], r["by_kind"]
         rows.append([r["config"], r["run"], lat["n"], lat["p50_ms"], lat["p90_ms"], lat["p99_ms"], lat["max_ms"],
-                     " ".join(f"{k}:{v['p99_ms']}" for k, v in kinds.items()),
+                     " ".join(f"{k}:{v['p99_ms']}" for k, v in kinds.items()), _split(r.get("dependency_split")),
                      r["load"].get("other_cpu_pct"), "BROKEN" if broken(r) else "ok"])
     print(pc.table(["config", "run", "dispatches", "p50 ms", "p90 ms", "p99 ms", "max ms", "p99 by kind (ms)",
-                    "others % core", "oracle"], rows))
+                    "dependency: worker's commit / after it, p99 max (ms)", "others % core", "oracle"], rows))
+
+
+def _split(split: dict[str, Any] | None) -> str:
+    if not split:
+        return ""
+    w, a, b = split["worker_commit"], split["commit_to_dispatch"], split["commit_to_bus_ms_resolution"]
+    bus = f" (to the bus {b['p99_ms']} {b['max_ms']})" if b["n"] else ""
+    return f"{w['p99_ms']} {w['max_ms']} / {a['p99_ms']} {a['max_ms']}{bus}"
 
 
 def main(argv: list[str] | None = None) -> int:
