@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,50 @@ def _completions_published(namespace: str) -> dict[tuple[str, str], datetime]:
     return published
 
 
+@dataclass
+class DependencySplit:
+    """A dependency's wait split where its last upstream's completion committed: the worker's own commit (after the
+    ``completed_at`` its UPDATE stamped; nothing downstream can shorten it), then what the event path took once the
+    change was visible; with the bus's times, that part again where the relay added the event."""
+
+    worker_commit: list[float] = field(default_factory=list)
+    commit_to_dispatch: list[float] = field(default_factory=list)
+    commit_to_bus: list[float] = field(default_factory=list)
+    bus_to_dispatch: list[float] = field(default_factory=list)
+
+    def add(self, row: Any, commits: dict[tuple[str, str], datetime],
+            published: dict[tuple[str, str], datetime]) -> tuple[float | None, float | None]:
+        """Count one dependency's dispatch (``depends_on``: its upstream keys); return its worker's commit and its
+        time to the bus in ms, None where a time is missing or out of order (a row written again since)."""
+        deps = json.loads(row.depends_on) if isinstance(row.depends_on, str) else row.depends_on
+        committed = [commits.get((str(row.instance_id), str(k))) for k in deps]
+        if not committed or None in committed:
+            return None, None
+        ready, dispatched = _as_time(row.ready_at), _as_time(row.dispatched_at)
+        last = _as_time(max(c for c in committed if c is not None))
+        if not ready <= last <= dispatched:
+            return None, None
+        commit_ms = (last - ready).total_seconds() * 1000
+        self.worker_commit.append(commit_ms)
+        self.commit_to_dispatch.append((dispatched - last).total_seconds() * 1000)
+        added = [published.get((str(row.instance_id), str(k))) for k in deps]
+        if not published or None in added:
+            return commit_ms, None
+        on_bus = max(a for a in added if a is not None)
+        bus_ms = (on_bus - last).total_seconds() * 1000
+        self.commit_to_bus.append(bus_ms)
+        self.bus_to_dispatch.append((dispatched - on_bus).total_seconds() * 1000)
+        return commit_ms, bus_ms
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.worker_commit:
+            return None
+        return {"worker_commit": latency_summary(self.worker_commit),
+                "commit_to_dispatch": latency_summary(self.commit_to_dispatch),
+                "commit_to_bus_ms_resolution": latency_summary(self.commit_to_bus),
+                "bus_to_dispatch_ms_resolution": latency_summary(self.bus_to_dispatch)}
+
+
 def measure(engine: sa.Engine, plan: Plan, namespace: str | None = None) -> dict[str, Any]:
     tables = reflect_tables(engine, TaskTableMapping())
     with engine.connect() as conn:
@@ -211,13 +255,7 @@ def measure(engine: sa.Engine, plan: Plan, namespace: str | None = None) -> dict
     published = _completions_published(namespace) if namespace and commits else {}
     by_kind: dict[str, list[float]] = {}
     everything: list[float] = []
-    # A dependency's wait split where its last upstream's completion committed: the worker's own commit (after
-    # the completed_at its UPDATE stamped), then what the event path took once the change was visible.
-    # On Redis, the part after the commit is split again where the relay added the event (to the millisecond).
-    worker_commit: list[float] = []
-    after_commit: list[float] = []
-    to_bus: list[float] = []
-    bus_to_dispatch: list[float] = []
+    split = DependencySplit()
     slowest: list[tuple[float, str, str, str, float | None, float | None]] = []
     for r in rows:
         dispatched, ready = _as_time(r.dispatched_at), _as_time(r.ready_at)
@@ -225,34 +263,14 @@ def measure(engine: sa.Engine, plan: Plan, namespace: str | None = None) -> dict
         kind = _kind(r)
         by_kind.setdefault(kind, []).append(ms)
         everything.append(ms)
-        commit_ms: float | None = None
-        bus_ms: float | None = None
-        if kind == "dependency" and commits:
-            deps = json.loads(r.depends_on) if isinstance(r.depends_on, str) else r.depends_on
-            committed = [commits.get((str(r.instance_id), str(k))) for k in deps]
-            if committed and None not in committed:
-                last = _as_time(max(c for c in committed if c is not None))
-                if ready <= last <= dispatched:
-                    commit_ms = (last - ready).total_seconds() * 1000
-                    worker_commit.append(commit_ms)
-                    after_commit.append((dispatched - last).total_seconds() * 1000)
-                    added = [published.get((str(r.instance_id), str(k))) for k in deps]
-                    if published and None not in added:
-                        on_bus = max(a for a in added if a is not None)
-                        bus_ms = (on_bus - last).total_seconds() * 1000
-                        to_bus.append(bus_ms)
-                        bus_to_dispatch.append((dispatched - on_bus).total_seconds() * 1000)
+        commit_ms, bus_ms = split.add(r, commits, published) if kind == "dependency" else (None, None)
         slowest.append((round(ms, 2), kind, str(r.instance_id), str(r.task_key),
                         None if commit_ms is None else round(commit_ms, 2),
                         None if bus_ms is None else round(bus_ms, 2)))
     slowest.sort(key=lambda s: s[0], reverse=True)
     return {"latency": latency_summary(everything),
             "by_kind": {k: latency_summary(v) for k, v in sorted(by_kind.items())},
-            "dependency_split": {"worker_commit": latency_summary(worker_commit),
-                                 "commit_to_dispatch": latency_summary(after_commit),
-                                 "commit_to_bus_ms_resolution": latency_summary(to_bus),
-                                 "bus_to_dispatch_ms_resolution": latency_summary(bus_to_dispatch)}
-            if worker_commit else None,
+            "dependency_split": split.summary(),
             "slowest": slowest[:8], "tasks": int(tasks), "dispatches": len(rows),
             "lost": verdict.lost, "completed": verdict.completed, "doubled": verdict.double_dispatched,
             "early": verdict.early, "problems": list(verdict.problems[:5])}

@@ -132,6 +132,40 @@ def test_cost_splits_latency_at_the_completers_commit() -> None:
     assert sqlite["completer_commit"]["n"] == 1 and sqlite["commit_to_dispatch"]["max_ms"] == pytest.approx(4.0)
 
 
+def test_e2e_splits_a_dependencys_wait_at_its_last_upstreams_commit_and_the_bus() -> None:
+    """The split takes the latest of a join's upstream commits (not the first), the bus time of the latest event,
+    and leaves out a dispatch whose upstream commit is unknown or after the dispatch (a row written again)."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from bench.e2e import DependencySplit
+
+    t0 = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+
+    def at(ms: float) -> datetime:
+        return t0 + timedelta(milliseconds=ms)
+
+    join = SimpleNamespace(instance_id="i1", task_key="join", depends_on='["a", "b"]', ready_at=at(0),
+                           dispatched_at=at(20))
+    commits = {("i1", "a"): at(-30), ("i1", "b"): at(2), ("i2", "a"): at(50)}
+    published = {("i1", "a"): at(-29), ("i1", "b"): at(9)}
+    split = DependencySplit()
+    assert split.add(join, commits, published) == (pytest.approx(2.0), pytest.approx(7.0))
+    unknown = SimpleNamespace(instance_id="i3", task_key="x", depends_on=["a"], ready_at=at(0), dispatched_at=at(5))
+    rewritten = SimpleNamespace(instance_id="i2", task_key="x", depends_on=["a"], ready_at=at(0),
+                                dispatched_at=at(5))
+    assert split.add(unknown, commits, published) == (None, None)
+    assert split.add(rewritten, commits, published) == (None, None)
+    summary = split.summary()
+    assert summary is not None
+    assert summary["worker_commit"]["n"] == 1 and summary["commit_to_dispatch"]["max_ms"] == pytest.approx(18.0)
+    assert summary["bus_to_dispatch_ms_resolution"]["max_ms"] == pytest.approx(11.0)
+    # Without the bus's times (SQLite, the embedded bus) the commit split stands alone.
+    alone = DependencySplit()
+    assert alone.add(join, commits, {}) == (pytest.approx(2.0), None)
+    assert DependencySplit().summary() is None
+
+
 def test_backends_reports_an_unknown_backend_and_summarises() -> None:
     import contextlib
 
