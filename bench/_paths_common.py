@@ -188,8 +188,22 @@ SITECUSTOMIZE = textwrap.dedent('''
         _texts = {}
         _lock = _threading.Lock()
 
+        _short = {}
+
         def _bump(n=1, query=None):
-            text = " ".join(str(query).split())[:90] if query is not None else "?"
+            # Shortened once per statement text: the scheduler's 8 KB evaluation split and joined on every call
+            # was 5 % of its samples at 20 completions/s (py-spy), time added to each dispatch measured.
+            try:
+                text = _short.get(query) if query is not None else "?"
+            except TypeError:  # unhashable
+                text = None
+            if text is None:
+                text = " ".join(str(query).split())[:90]
+                if len(_short) < 10000:
+                    try:
+                        _short[query] = text
+                    except TypeError:
+                        pass
             with _lock:
                 _count[0] += n
                 _texts[text] = _texts.get(text, 0) + n
