@@ -199,7 +199,7 @@ SITECUSTOMIZE = textwrap.dedent('''
                 text = None
             if text is None:
                 text = " ".join(str(query).split())[:90]
-                if len(_short) < 10000:
+                if len(_short) < 500:  # a process runs a few dozen texts; varying ones are not kept
                     try:
                         _short[query] = text
                     except TypeError:

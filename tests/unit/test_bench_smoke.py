@@ -45,6 +45,9 @@ def test_e2e_plan_puts_approvals_on_tasks_with_a_dependency_and_classifies_what_
 
     t, later = "2026-12-06 10:00:00.000", "2026-12-06 10:00:01.000"
     assert _kind(row(t, signal=t, due=later, deps='["a"]')) == "approval"
+    # The signal's updated_at, the ready time, stamped microseconds after its signal_received_at: still the approval.
+    assert _kind(row("2026-12-06 10:00:00.000007", signal=t, deps=["a"])) == "approval"
+    assert _kind(row("2026-12-06 10:00:00.002", signal=t, deps=["a"])) == "dependency"
     assert _kind(row(t, due=t, signal=later, deps=["a"])) == "timer"
     assert _kind(row(later, due=t, signal=t, deps=["a"])) == "dependency"
     assert _kind(row(later, deps='["a"]')) == "dependency"
@@ -134,7 +137,8 @@ def test_cost_splits_latency_at_the_completers_commit() -> None:
 
 def test_e2e_splits_a_dependencys_wait_at_its_last_upstreams_commit_and_the_bus() -> None:
     """The split takes the latest of a join's upstream commits (not the first), the bus time of the latest event,
-    and leaves out a dispatch whose upstream commit is unknown or after the dispatch (a row written again)."""
+    and leaves out (counted) a dispatch whose upstream commit is unknown or not between its ready time and its
+    dispatch, and from the bus split one whose upstream event was added after the dispatch."""
     from datetime import UTC, datetime, timedelta
     from types import SimpleNamespace
 
@@ -156,9 +160,16 @@ def test_e2e_splits_a_dependencys_wait_at_its_last_upstreams_commit_and_the_bus(
                                 dispatched_at=at(5))
     assert split.add(unknown, commits, published) == (None, None)
     assert split.add(rewritten, commits, published) == (None, None)
+    # A join dispatched on its first upstream's event: the second's event was added after the dispatch.
+    early = SimpleNamespace(instance_id="i4", task_key="join", depends_on=["a", "b"], ready_at=at(0),
+                            dispatched_at=at(6))
+    assert split.add(early, {("i4", "a"): at(-5), ("i4", "b"): at(1)},
+                     {("i4", "a"): at(-4), ("i4", "b"): at(8)}) == (pytest.approx(1.0), None)
     summary = split.summary()
     assert summary is not None
-    assert summary["worker_commit"]["n"] == 1 and summary["commit_to_dispatch"]["max_ms"] == pytest.approx(18.0)
+    assert summary["left_out"] == 2 and summary["left_out_of_bus"] == 1
+    assert summary["worker_commit"]["n"] == 2 and summary["commit_to_dispatch"]["max_ms"] == pytest.approx(18.0)
+    assert summary["commit_to_bus_ms_resolution"]["n"] == 1
     assert summary["bus_to_dispatch_ms_resolution"]["max_ms"] == pytest.approx(11.0)
     # Without the bus's times (SQLite, the embedded bus) the commit split stands alone.
     alone = DependencySplit()
