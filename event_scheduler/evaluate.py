@@ -463,11 +463,17 @@ class Evaluator:
             self._hold(conn, holds, result)
         now = datetime.now(UTC)
         if to_dispatch:
-            if self._pg:  # one statement (a CTE): atomic without BEGIN/COMMIT, on the caller's connection
-                won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
-            else:  # on SQLite a dispatch wakes the workers, not the relay (a dispatch is a quiet change)
-                with self._writing(self._dispatches, "work") as wconn:
-                    won = dispatch_many(wconn, self.tables, to_dispatch, "events", traces)
+            try:
+                if self._pg:  # one statement (a CTE): atomic without BEGIN/COMMIT, on the caller's connection
+                    won = dispatch_many(conn, self.tables, to_dispatch, "events", traces)
+                else:  # on SQLite a dispatch wakes the workers, not the relay (a dispatch is a quiet change)
+                    with self._writing(self._dispatches, "work") as wconn:
+                        won = dispatch_many(wconn, self.tables, to_dispatch, "events", traces)
+            except BaseException:  # nothing dispatched: the tokens taken go back
+                self.limits.refund(t.workflow_type for t in to_dispatch)
+                raise
+            if len(won) < len(to_dispatch):  # a lost race took no dispatch of this process's
+                self.limits.refund(t.workflow_type for t in to_dispatch if t not in won)
             self._dispatched(conn, to_dispatch, won, result, now)
         if to_decide:
             if self._pg:

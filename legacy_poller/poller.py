@@ -139,9 +139,16 @@ class LegacyPoller:
             won: list[ReadyTask] = []
             won_fallback: list[ReadyTask] = []
             if ready:
-                with self.engine.begin() as conn:
-                    won = dispatch_many(conn, self.tables, regular, "poller")
-                    won_fallback = dispatch_many(conn, self.tables, missed, "fallback")
+                try:
+                    with self.engine.begin() as conn:
+                        won = dispatch_many(conn, self.tables, regular, "poller")
+                        won_fallback = dispatch_many(conn, self.tables, missed, "fallback")
+                except BaseException:  # rolled back: the tokens the limits took go back
+                    if self.limits is not None:
+                        self.limits.refund(t.workflow_type for t in ready)
+                    raise
+                if self.limits is not None and len(won) + len(won_fallback) < len(ready):  # lost races
+                    self.limits.refund(t.workflow_type for t in ready if t not in won and t not in won_fallback)
             # Counted after the commit: an observer reading the dispatch log right after sees the rows.
             dispatched += len(won) + len(won_fallback)
             fallback += len(won_fallback)

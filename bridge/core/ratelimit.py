@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
 from bridge.core.settings import SchedulerSettings
 
@@ -28,6 +29,10 @@ class TokenBucket:
             self.tokens -= 1
             return 0.0
         return (1 - self.tokens) / self.rate
+
+    def give_back(self, n: int) -> None:
+        """Return ``n`` tokens taken for dispatches that did not happen, up to the burst."""
+        self.tokens = min(self.burst, self.tokens + n)
 
 
 #: A task held back by ``max_in_flight`` is looked at again after this many seconds (a rate limit's hold
@@ -73,3 +78,16 @@ class TypeLimits:
                 return "rate", wait
         in_flight[workflow_type] = in_flight.get(workflow_type, 0) + 1
         return None
+
+    def refund(self, workflow_types: Iterable[str | None]) -> None:
+        """Give back the tokens :meth:`admit` took for tasks that were not dispatched after all, one per entry: a
+        lost race (another dispatcher took the task) or a dispatch that failed and rolled back. Without it a type's
+        rate fell short of its setting until the bucket refilled (``burst / rate`` seconds after a failed batch)."""
+        counts: dict[str | None, int] = {}
+        for workflow_type in workflow_types:
+            counts[workflow_type] = counts.get(workflow_type, 0) + 1
+        with self._lock:
+            for workflow_type, n in counts.items():
+                bucket = self._buckets.get(workflow_type)
+                if bucket is not None:
+                    bucket.give_back(n)

@@ -142,6 +142,55 @@ def test_the_poller_applies_the_types_limits_in_polling(engine: Engine, tables: 
     assert rated.scan_once().dispatched == 1 and rated.scan_once().dispatched == 0
 
 
+def test_a_lost_race_or_a_failed_dispatch_gives_its_rate_tokens_back(engine: Engine, tables: TaskTable,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token taken for a task another dispatcher took first, or for a dispatch that rolled back, goes back to
+    the type's bucket: with a rate too slow to refill in the test, the task after them is dispatched at once (on the
+    code before, held by the rate: the bucket had spent its burst on dispatches that never happened)."""
+    import event_scheduler.evaluate as evaluate_module
+    import legacy_poller.poller as poller_module
+
+    real = evaluate_module.dispatch_many
+    t = tables.tasks
+
+    def another_dispatcher_first(conn: sa.Connection, tt: TaskTable, tasks: Sequence[object], *args: object,
+                                 **kwargs: object) -> object:
+        # Another dispatcher takes the first task between the evaluation's read and this compare-and-set.
+        first = tasks[0].task_id  # type: ignore[attr-defined]
+        conn.execute(t.update().where(t.c.id == first).values(status="queued"))
+        return real(conn, tt, tasks, *args, **kwargs)  # type: ignore[arg-type]
+
+    _seed(engine, tables, ["tk-0", "tk-1"])
+    evaluator = _evaluator(engine, tables, _router(engine, "cutover"), _limits(rate=0.001, burst=2))
+    monkeypatch.setattr(evaluate_module, "dispatch_many", another_dispatcher_first)
+    assert len(evaluator.evaluate(["tk-0", "tk-1"]).dispatched) == 1  # one won, one lost: one token spent
+    monkeypatch.setattr(evaluate_module, "dispatch_many", real)
+    _seed(engine, tables, ["tk-2"])
+    result = evaluator.evaluate(["tk-2"])
+    assert len(result.dispatched) == 1 and not result.held_back
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise sa.exc.OperationalError("dispatch", {}, Exception("the database went away"))
+
+    _seed(engine, tables, ["tk-3"])  # the bucket is empty now: the failed dispatch's token must come back
+    evaluator.limits.refund(["orders"])
+    monkeypatch.setattr(evaluate_module, "dispatch_many", failing)
+    with pytest.raises(sa.exc.OperationalError):
+        evaluator.evaluate(["tk-3"])
+    monkeypatch.setattr(evaluate_module, "dispatch_many", real)
+    assert len(evaluator.evaluate(["tk-3"]).dispatched) == 1
+
+    # The reference poller: a scan whose dispatch rolled back leaves its token for the next scan.
+    _complete_in_flight(engine, tables)
+    _seed(engine, tables, ["tk-4"])
+    poller = LegacyPoller(engine, tables, registry=CollectorRegistry(), limits=_limits(rate=0.001, burst=1))
+    monkeypatch.setattr(poller_module, "dispatch_many", failing)
+    with pytest.raises(sa.exc.OperationalError):
+        poller.scan_once()
+    monkeypatch.setattr(poller_module, "dispatch_many", real)
+    assert poller.scan_once().dispatched == 1
+
+
 def test_the_guardian_tells_backpressure_from_failure(engine: Engine, tables: TaskTable) -> None:
     ids = [f"gd-{n}" for n in range(6)]
     _seed(engine, tables, ids)
