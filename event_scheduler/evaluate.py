@@ -473,7 +473,8 @@ class Evaluator:
                 self.limits.refund(t.workflow_type for t in to_dispatch)
                 raise
             if len(won) < len(to_dispatch):  # a lost race took no dispatch of this process's
-                self.limits.refund(t.workflow_type for t in to_dispatch if t not in won)
+                won_ids = {id(t) for t in won}  # dispatch_many returns the very tasks it was given
+                self.limits.refund(t.workflow_type for t in to_dispatch if id(t) not in won_ids)
             self._dispatched(conn, to_dispatch, won, result, now)
         if to_decide:
             if self._pg:

@@ -148,7 +148,8 @@ class LegacyPoller:
                         self.limits.refund(t.workflow_type for t in ready)
                     raise
                 if self.limits is not None and len(won) + len(won_fallback) < len(ready):  # lost races
-                    self.limits.refund(t.workflow_type for t in ready if t not in won and t not in won_fallback)
+                    won_ids = {id(t) for t in (*won, *won_fallback)}  # dispatch_many returns the tasks it was given
+                    self.limits.refund(t.workflow_type for t in ready if id(t) not in won_ids)
             # Counted after the commit: an observer reading the dispatch log right after sees the rows.
             dispatched += len(won) + len(won_fallback)
             fallback += len(won_fallback)

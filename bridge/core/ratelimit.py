@@ -82,7 +82,9 @@ class TypeLimits:
     def refund(self, workflow_types: Iterable[str | None]) -> None:
         """Give back the tokens :meth:`admit` took for tasks that were not dispatched after all, one per entry: a
         lost race (another dispatcher took the task) or a dispatch that failed and rolled back. Without it a type's
-        rate fell short of its setting until the bucket refilled (``burst / rate`` seconds after a failed batch)."""
+        rate fell short of its setting until the bucket refilled (up to ``burst / rate`` seconds after a failed
+        batch). A failure whose outcome is unknown (the connection lost during the commit) counts as not
+        dispatched: the type may then go over its rate once, by at most ``burst``."""
         counts: dict[str | None, int] = {}
         for workflow_type in workflow_types:
             counts[workflow_type] = counts.get(workflow_type, 0) + 1

@@ -172,15 +172,15 @@ def test_a_lost_race_or_a_failed_dispatch_gives_its_rate_tokens_back(engine: Eng
     def failing(*args: object, **kwargs: object) -> object:
         raise sa.exc.OperationalError("dispatch", {}, Exception("the database went away"))
 
-    _seed(engine, tables, ["tk-3"])  # the bucket is empty now: the failed dispatch's token must come back
-    evaluator.limits.refund(["orders"])
+    _seed(engine, tables, ["tk-3"])  # one token: the failed dispatch's must come back
+    single = _evaluator(engine, tables, _router(engine, "cutover"), _limits(rate=0.001, burst=1))
     monkeypatch.setattr(evaluate_module, "dispatch_many", failing)
     with pytest.raises(sa.exc.OperationalError):
-        evaluator.evaluate(["tk-3"])
+        single.evaluate(["tk-3"])
     monkeypatch.setattr(evaluate_module, "dispatch_many", real)
-    assert len(evaluator.evaluate(["tk-3"]).dispatched) == 1
+    assert len(single.evaluate(["tk-3"]).dispatched) == 1
 
-    # The reference poller: a scan whose dispatch rolled back leaves its token for the next scan.
+    # The reference poller: a scan whose dispatch rolled back, and one that lost a race, leave their tokens.
     _complete_in_flight(engine, tables)
     _seed(engine, tables, ["tk-4"])
     poller = LegacyPoller(engine, tables, registry=CollectorRegistry(), limits=_limits(rate=0.001, burst=1))
@@ -189,6 +189,22 @@ def test_a_lost_race_or_a_failed_dispatch_gives_its_rate_tokens_back(engine: Eng
         poller.scan_once()
     monkeypatch.setattr(poller_module, "dispatch_many", real)
     assert poller.scan_once().dispatched == 1
+    _complete_in_flight(engine, tables)
+    _seed(engine, tables, ["tk-5", "tk-6"])
+    racing = LegacyPoller(engine, tables, registry=CollectorRegistry(), limits=_limits(rate=0.001, burst=2))
+    calls = iter([another_dispatcher_first])  # the scan's first dispatch loses tk-5 to another dispatcher
+
+    def first_call_races(conn: sa.Connection, tt: TaskTable, tasks: Sequence[object], *args: object,
+                         **kwargs: object) -> object:
+        step = next(calls, real) if tasks else real
+        return step(conn, tt, tasks, *args, **kwargs)  # type: ignore[operator]
+
+    monkeypatch.setattr(poller_module, "dispatch_many", first_call_races)
+    assert racing.scan_once().dispatched == 1  # tk-6; tk-5 lost: its token goes back
+    monkeypatch.setattr(poller_module, "dispatch_many", real)
+    _complete_in_flight(engine, tables)
+    _seed(engine, tables, ["tk-7"])
+    assert racing.scan_once().dispatched == 1
 
 
 def test_the_guardian_tells_backpressure_from_failure(engine: Engine, tables: TaskTable) -> None:
