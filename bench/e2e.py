@@ -156,8 +156,9 @@ class Signaller:
 
 
 def _kind(row: Any) -> str:
-    """What made a dispatched task ready last: the row's ready time equals its approval's, its due time, or else a
-    dependency's completion (a task with dependencies) or its instance's arrival."""
+    """What made a dispatched task ready last: its approval (the ready time at most :data:`APPROVAL_STAMPS_APART`
+    after the signal's), its due time (equal), or else a dependency's completion (a task with dependencies) or its
+    instance's arrival."""
     ready = _as_time(row.ready_at)
     # ``pollbridge signal`` stamps signal_received_at and updated_at with two clock_timestamp() calls, and the
     # ready time is the later of them: microseconds apart now and then (27 pairs of 1,000 differed).
@@ -255,11 +256,11 @@ class DependencySplit:
         if not published:
             return commit_ms, None
         added = [published.get((str(row.instance_id), str(k))) for k in deps]
+        on_bus = None if None in added else max(a for a in added if a is not None)
         # The entry id's millisecond is rounded down: an event added in the dispatch's millisecond is not after it.
-        if None in added or max(a for a in added if a is not None) > dispatched:
+        if on_bus is None or on_bus > dispatched:
             self.left_out_of_bus += 1
             return commit_ms, None
-        on_bus = max(a for a in added if a is not None)
         bus_ms = (on_bus - last).total_seconds() * 1000
         self.commit_to_bus.append(bus_ms)
         self.bus_to_dispatch.append((dispatched - on_bus).total_seconds() * 1000)
