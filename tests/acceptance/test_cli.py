@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from bridge.db.engine import create_engine
-from tests.support import Run
+from tests.support import Run, stop_processes
 
 
 def _no_traceback(result: subprocess.CompletedProcess[str]) -> None:
@@ -150,9 +149,7 @@ def test_poller_and_workers_processes_finish_a_workload_and_stop_on_sigterm(
                     break
                 time.sleep(0.1)
         finally:
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            outputs = [p.communicate(timeout=30) for p in procs]
+            outputs = stop_processes(procs)
         assert verdict.unsettled == 0, verdict
         assert (verdict.double_dispatched, verdict.early) == (0, 0)
         assert [p.returncode for p in procs] == [0, 0], outputs

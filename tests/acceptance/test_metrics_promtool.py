@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from bridge.db.engine import create_engine
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
 from legacy_poller.poller import LegacyPoller
-from tests.support import Run, wait_for
+from tests.support import Run, stop_processes, wait_for
 
 PROMTOOL_HINT = "promtool is not installed: apt-get install prometheus"
 
@@ -70,8 +69,7 @@ def _running(cwd: Path, url: str, args: tuple[str, ...], first_line: str, **env:
         assert match, line + (proc.stderr.read() if proc.poll() is not None else "")
         yield match.group(1)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        [(_, err)] = stop_processes([proc])
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 import urllib.request
@@ -19,7 +18,7 @@ from bridge.core.mapping import TaskTableMapping
 from bridge.db.engine import create_engine
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.tasktable.tables import reflect_tables
-from tests.support import Run
+from tests.support import Run, stop_processes
 
 METRIC_NAMES = ("pollbridge_phase", "pollbridge_dispatches_window", "pollbridge_outbox_backlog",
                 "pollbridge_outbox_oldest_age_seconds", "pollbridge_bus_lag", "pollbridge_bus_pending",
@@ -138,8 +137,7 @@ def test_metrics_serve_answers_a_scrape_on_localhost_and_stops_on_sigterm(
         assert "pollbridge_outbox_backlog 2.0" in body
         assert "pollbridge_flag_store_up 1.0" in body
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        [(out, err)] = stop_processes([proc])
     assert proc.returncode == 0, err
     _no_traceback(subprocess.CompletedProcess([], proc.returncode, out, err))
     assert "metrics server stopped" in err

@@ -23,7 +23,7 @@ from bridge.db.schema import signals
 from bridge.reference.workload import TaskSpec, WorkflowSpec, seed
 from bridge.serve.auth import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from bridge.tasktable.tables import reflect_tables
-from tests.support import Run
+from tests.support import Run, stop_processes
 
 SECRET = "acceptance-secret-0123456789"
 
@@ -113,8 +113,7 @@ def test_serve_on_localhost_takes_a_signed_signal_streams_it_and_stops_on_sigter
         assert 'pollbridge_serve_signals_total{outcome="accepted"} 1.0' in metrics
         assert "pollbridge_status_up 1.0" in metrics and "pollbridge_serve_bus_reader_up 1.0" in metrics
         assert http.get(f"/tasks/{ids['approve']}").json()["signal_received_at"]
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        [(out, err)] = stop_processes([proc])
     assert proc.returncode == 0, err
     assert "server stopped" in err and "Traceback" not in err
     assert SECRET not in out + err
@@ -138,8 +137,7 @@ def test_serve_binds_127_0_0_1_by_default_only(pollbridge: Run, sqlite_url: str,
             with socket.socket() as sock:
                 sock.settimeout(3)
                 assert sock.connect_ex((other, port)) != 0
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        stop_processes([proc])
         assert proc.returncode == 0
 
 

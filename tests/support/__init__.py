@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -251,3 +253,29 @@ class Audit:
 
     def ids(self) -> set[str]:
         return {d.event.id for d in self.seen if d.event is not None}
+
+
+def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 30.0) -> list[tuple[str, str]]:
+    """SIGTERM each process and collect its output; one that has not exited within ``grace`` seconds is asked
+    for every thread's stack (SIGUSR1: bridge.core.runtime's faulthandler), killed, and the test fails with
+    that stack, so a stop that hangs says where it hangs."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    outputs: list[tuple[str, str]] = []
+    hung: list[str] = []
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.communicate(timeout=3)  # the dump is written at once; this reads it meanwhile
+            p.kill()
+            out, err = p.communicate()
+            outputs.append((out, err))
+            args = p.args if isinstance(p.args, list) else [p.args]
+            name = " ".join(map(str, args[1:3]))
+            hung.append(f"{name} (pid {p.pid}) did not stop within {grace} s of SIGTERM:\n{err[-6000:]}")
+    assert not hung, "\n\n".join(hung)
+    return outputs
