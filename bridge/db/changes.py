@@ -38,7 +38,8 @@ finds there (none for a quiet commit), and only from slots whose salt is the WAL
 count lies between its two looks: the counter restarts from 0 when SQLite recovers a WAL after a crash, but
 within one salt the frame count only grows, so a slot of an earlier run never matches. A value without its
 slot (another program's commit; a slot overwritten, torn, stale, or not yet written: it is looked up once
-more half a millisecond later) wakes every topic, and so does a WAL that started over between two looks.
+more half a millisecond later, and after this process's own commits in flight, between SQLite's COMMIT and
+their note, have been noted) wakes every topic, and so does a WAL that started over between two looks.
 So a commit is never taken for another's: the worst case is still a spurious wake-up. A waiter can tell the
 two apart (:meth:`ChangeSignal.surely_since`): woken only by commits about its topic (this process's, or
 another's told by the journal), it may act at once (the relay claims, a bus reader takes); woken by what only
@@ -91,6 +92,9 @@ _CHECK = 0x9E3779B9
 JOURNAL_SUFFIX = "-pollbridge_topics"
 #: How long the watcher gives a commit's process to write its journal slot before waking every topic.
 JOURNAL_GRACE = 0.0005
+#: How long the watcher waits for a commit of this process between SQLite's COMMIT and its note (the journal slot)
+#: before taking it for a stranger's (every topic woken, not surely): the note is a few statements of Python.
+OWN_NOTE_WAIT = 0.2
 #: Longest wait for this process's write lock before a write transaction goes to SQLite's own busy handler
 #: (which then waits as before): a thread that opens a second write transaction under its first fails as it
 #: did, after this wait, instead of hanging.
@@ -116,6 +120,8 @@ class ChangeSignal:
         self._own: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=OWN_REMEMBERED)
         self._journal: int | None = None  # descriptor of the topic journal (-1: it cannot be opened here)
         self._journal_lock = threading.Lock()
+        #: This process's commits between SQLite's COMMIT and their note (:meth:`expect_own`), guarded by ``_cond``.
+        self._in_flight = 0
         #: Held by this process's write transaction on the file, from BEGIN IMMEDIATE to its end: threads queue
         #: here and wake the moment it is released, instead of in SQLite's busy handler, which sleeps 1, 2, 5,
         #: 10, 15, 20, 25 … ms between tries whatever the lock does (see :class:`NotifyingConnection`).
@@ -162,6 +168,27 @@ class ChangeSignal:
         """The WAL-index header now, whole (None: none to read)."""
         header = self._header()
         return header if header is not None and len(header) >= _HEADER_BYTES else None
+
+    def commit_started(self) -> None:
+        """A commit of this process that wrote is about to COMMIT; :meth:`commit_noted` follows it, whatever happens."""
+        with self._cond:
+            self._in_flight += 1
+
+    def commit_noted(self) -> None:
+        """The commit :meth:`commit_started` announced was noted (:meth:`expect_own`), or will not be."""
+        with self._cond:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._cond.notify_all()
+
+    def _await_own_commits(self, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until no commit of this process is between its COMMIT and its note; whether
+        one was."""
+        with self._cond:
+            if not self._in_flight:
+                return False
+            self._cond.wait_for(lambda: not self._in_flight, timeout)
+            return True
 
     def expect_own(self, header: bytes, topics: Iterable[str]) -> None:
         """A commit of this process made the state ``header`` (read right after it; it signalled its topics
@@ -327,6 +354,11 @@ class ChangeSignal:
         if not others:
             return frozenset(), True
         topics = self._journal_topics(others, last, now)
+        if topics is None and self._await_own_commits(OWN_NOTE_WAIT):
+            # Looked between a commit of this process and its note (its journal slot): a committing thread that
+            # lost the CPU there (measured: a loaded machine, the GIL's 5 ms switch interval) made its own commit
+            # a stranger's, waking every topic. Its note comes within microseconds of the CPU: wait for it.
+            topics = self._journal_topics(others, last, now)
         if topics is None:  # not written yet, maybe: its process writes it right after its commit
             time.sleep(JOURNAL_GRACE)
             topics = self._journal_topics(others, last, now)
@@ -416,12 +448,18 @@ class NotifyingConnection(sqlite3.Connection):
         wrote = self.total_changes != self._pb_changes
         signal, topics = self.pb_signal, self.pb_topics
         self.pb_topics = None
+        noting: ChangeSignal | None = None
         try:
             # Inside the transaction, holding the write lock: no other commit can move the counter before ours.
             before = signal.change_counter() if signal is not None and wrote else None
             version = self._pb_data_version() if before is not None else None
+            if signal is not None and before is not None:
+                noting = signal
+                noting.commit_started()  # until noted below: the watcher waits for the note (ChangeSignal._changed)
             super().commit()
         except BaseException:
+            if noting is not None:
+                noting.commit_noted()
             if not self.in_transaction:  # ended all the same: the next writer must not wait for us
                 self.pb_end_write()
             raise
@@ -432,10 +470,13 @@ class NotifyingConnection(sqlite3.Connection):
                 # commit that wrote nothing SQLite had to keep (an UPDATE to the same bytes) does not move it,
                 # and registering the value would let another process's commit, the one that moved it, pass
                 # unseen (and, through the journal, unseen by every process).
-                header = signal.header_now()
-                if header is not None and _counter(header) == (before + 1) % 2**32 \
-                        and self._pb_data_version() == version:
-                    signal.expect_own(header, ("data",) if topics is None else topics)
+                try:
+                    header = signal.header_now()
+                    if header is not None and _counter(header) == (before + 1) % 2**32 \
+                            and self._pb_data_version() == version:
+                        signal.expect_own(header, ("data",) if topics is None else topics)
+                finally:
+                    signal.commit_noted()
             if wrote and signal is not None:
                 # Before the process's write lock goes: a waiter that then takes the lock and reads the
                 # generation holding it (the relay's claim, a bus reader's take) counts this commit as seen,
