@@ -110,7 +110,11 @@ class ChangeSignal:
         #: Per topic, its generation at the last wake-up that may not be about it (a watcher's start, a commit
         #: whose topics could not be told): a waiter woken past it knows a commit about its topic happened.
         self._unsure = dict.fromkeys(TOPICS, 0)
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        #: Signalled when a commit of this process in flight is noted, on ``_cond``'s lock: only the watcher waits
+        #: for that, and the waiters of the topics are not woken by it.
+        self._noted = threading.Condition(lock)
         self._watcher: threading.Thread | None = None
         self._last_wait = 0.0
         self._shm: tuple[int, int] | None = None  # (descriptor, inode) of the -shm file, never closed (_header)
@@ -120,8 +124,9 @@ class ChangeSignal:
         self._own: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=OWN_REMEMBERED)
         self._journal: int | None = None  # descriptor of the topic journal (-1: it cannot be opened here)
         self._journal_lock = threading.Lock()
-        #: This process's commits between SQLite's COMMIT and their note (:meth:`expect_own`), guarded by ``_cond``.
-        self._in_flight = 0
+        #: The counter values of this process's commits between SQLite's COMMIT and their note (:meth:`expect_own`),
+        #: guarded by ``_cond``.
+        self._in_flight: set[int] = set()
         #: Held by this process's write transaction on the file, from BEGIN IMMEDIATE to its end: threads queue
         #: here and wake the moment it is released, instead of in SQLite's busy handler, which sleeps 1, 2, 5,
         #: 10, 15, 20, 25 … ms between tries whatever the lock does (see :class:`NotifyingConnection`).
@@ -169,25 +174,29 @@ class ChangeSignal:
         header = self._header()
         return header if header is not None and len(header) >= _HEADER_BYTES else None
 
-    def commit_started(self) -> None:
-        """A commit of this process that wrote is about to COMMIT; :meth:`commit_noted` follows it, whatever happens."""
+    def commit_started(self, value: int) -> None:
+        """A commit of this process that wrote is about to COMMIT, and should move the counter to ``value`` (it holds
+        the database's write lock); :meth:`commit_noted` follows it, whatever happens."""
         with self._cond:
-            self._in_flight += 1
+            self._in_flight.add(value)
 
-    def commit_noted(self) -> None:
+    def commit_noted(self, value: int) -> None:
         """The commit :meth:`commit_started` announced was noted (:meth:`expect_own`), or will not be."""
         with self._cond:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._cond.notify_all()
+            self._in_flight.discard(value)
+            self._noted.notify_all()
 
-    def _await_own_commits(self, timeout: float) -> bool:
-        """Wait (up to ``timeout``) until no commit of this process is between its COMMIT and its note; whether
-        one was."""
+    def _await_own(self, values: set[int], timeout: float) -> bool:
+        """Wait (up to ``timeout``) until none of the counter ``values`` is a commit of this process between its
+        COMMIT and its note; whether one was. One not noted by then is let go (an interrupted committer: never again
+        waited for)."""
         with self._cond:
-            if not self._in_flight:
+            if not values & self._in_flight:
                 return False
-            self._cond.wait_for(lambda: not self._in_flight, timeout)
+            if not self._noted.wait_for(lambda: not values & self._in_flight, timeout):
+                log.debug("commit(s) %s of this process not noted within %.1f s", sorted(values & self._in_flight),
+                          timeout)
+                self._in_flight -= values
             return True
 
     def expect_own(self, header: bytes, topics: Iterable[str]) -> None:
@@ -342,6 +351,23 @@ class ChangeSignal:
         if gap > JOURNAL_SLOTS:
             return frozenset(TOPICS), False
         values = {(last[2] + i) % 2**32 for i in range(1, gap + 1)}
+        others = values - self._take_own(values, last, now)
+        if others and self._await_own(others, OWN_NOTE_WAIT):
+            # Looked between a commit of this process and its note: a committing thread that lost the CPU there (a
+            # loaded machine; the GIL's switch interval is 5 ms) made its own commit a stranger's, waking every
+            # topic. Its note comes within microseconds of the CPU: wait for it, then it is ours like the others.
+            others -= self._take_own(others, last, now)
+        if not others:
+            return frozenset(), True
+        topics = self._journal_topics(others, last, now)
+        if topics is None:  # not written yet, maybe: its process writes it right after its commit
+            time.sleep(JOURNAL_GRACE)
+            topics = self._journal_topics(others, last, now)
+        return (frozenset(TOPICS), False) if topics is None else (frozenset(topics), True)
+
+    def _take_own(self, values: set[int], last: _Signature, now: _Signature) -> set[int]:
+        """Which of the counter ``values`` (between the looks ``last`` and ``now``) this process's noted commits made;
+        their notes are used up, and so are those the looks have passed."""
         with self._cond:
             # Ours: made between the two looks (the WAL's frames), whatever the counter did before (it restarts
             # when a WAL is recovered). Entries the looks have passed, or of another salt, go.
@@ -350,19 +376,7 @@ class ChangeSignal:
             for entry in (*mine, *stale):
                 with contextlib.suppress(ValueError):
                     self._own.remove(entry)
-        others = values - {e[0] for e in mine}
-        if not others:
-            return frozenset(), True
-        topics = self._journal_topics(others, last, now)
-        if topics is None and self._await_own_commits(OWN_NOTE_WAIT):
-            # Looked between a commit of this process and its note (its journal slot): a committing thread that
-            # lost the CPU there (measured: a loaded machine, the GIL's 5 ms switch interval) made its own commit
-            # a stranger's, waking every topic. Its note comes within microseconds of the CPU: wait for it.
-            topics = self._journal_topics(others, last, now)
-        if topics is None:  # not written yet, maybe: its process writes it right after its commit
-            time.sleep(JOURNAL_GRACE)
-            topics = self._journal_topics(others, last, now)
-        return (frozenset(TOPICS), False) if topics is None else (frozenset(topics), True)
+        return {e[0] for e in mine}
 
     def _run(self, last: _Signature) -> None:
         while True:
@@ -449,17 +463,18 @@ class NotifyingConnection(sqlite3.Connection):
         signal, topics = self.pb_signal, self.pb_topics
         self.pb_topics = None
         noting: ChangeSignal | None = None
+        expected = 0
         try:
             # Inside the transaction, holding the write lock: no other commit can move the counter before ours.
             before = signal.change_counter() if signal is not None and wrote else None
             version = self._pb_data_version() if before is not None else None
             if signal is not None and before is not None:
-                noting = signal
-                noting.commit_started()  # until noted below: the watcher waits for the note (ChangeSignal._changed)
+                noting, expected = signal, (before + 1) % 2**32
+                noting.commit_started(expected)  # until noted below: the watcher waits for it (ChangeSignal._changed)
             super().commit()
         except BaseException:
             if noting is not None:
-                noting.commit_noted()
+                noting.commit_noted(expected)
             if not self.in_transaction:  # ended all the same: the next writer must not wait for us
                 self.pb_end_write()
             raise
@@ -470,20 +485,20 @@ class NotifyingConnection(sqlite3.Connection):
                 # commit that wrote nothing SQLite had to keep (an UPDATE to the same bytes) does not move it,
                 # and registering the value would let another process's commit, the one that moved it, pass
                 # unseen (and, through the journal, unseen by every process).
-                try:
-                    header = signal.header_now()
-                    if header is not None and _counter(header) == (before + 1) % 2**32 \
-                            and self._pb_data_version() == version:
-                        signal.expect_own(header, ("data",) if topics is None else topics)
-                finally:
-                    signal.commit_noted()
+                header = signal.header_now()
+                if header is not None and _counter(header) == expected and self._pb_data_version() == version:
+                    signal.expect_own(header, ("data",) if topics is None else topics)
             if wrote and signal is not None:
                 # Before the process's write lock goes: a waiter that then takes the lock and reads the
                 # generation holding it (the relay's claim, a bus reader's take) counts this commit as seen,
                 # instead of being woken by it afterwards for an empty claim.
                 signal.notify(("data",) if topics is None else topics)
         finally:
-            self.pb_end_write()
+            try:
+                if noting is not None:
+                    noting.commit_noted(expected)
+            finally:
+                self.pb_end_write()
 
     def _pb_data_version(self) -> int | None:
         """``PRAGMA data_version``: changes when another connection commits to the file."""

@@ -191,7 +191,7 @@ def test_a_watcher_that_looks_between_a_commit_here_and_its_note_waits_for_the_n
     """The watcher samples the file every few milliseconds; a commit of this process is noted as its own (and its
     topics journalled) just after SQLite's COMMIT returns. A committer descheduled in between (a loaded machine)
     left the watcher a counter move it could not explain: it woke every topic, not surely. It waits for this
-    process's commit in flight instead, and the commit wakes its own topic only, surely."""
+    process's commit in flight instead, and the commit wakes its own topic only, surely, and once."""
     _loud(engine, "setup")
     data, bus = _signal(engine, "data"), _signal(engine, "bus")
     real = ChangeSignal.header_now
@@ -205,9 +205,10 @@ def test_a_watcher_that_looks_between_a_commit_here_and_its_note_waits_for_the_n
     monkeypatch.setattr(ChangeSignal, "header_now", descheduled)
     seen_data, seen_bus = data.generation, bus.generation
     _loud(engine, "task written")
-    assert data.wait(seen_data, 2.0) != seen_data
+    assert data.wait(seen_data, 2.0) == seen_data + 1
     assert data.signal.surely_since("data", seen_data), "woken as by a stranger's commit"
     assert bus.wait(seen_bus, 0.3) == seen_bus, "a data commit woke the bus's readers"
+    assert data.generation == seen_data + 1, "the watcher woke the data waiters a second time for the same commit"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -276,6 +276,6 @@ def stop_processes(procs: list[subprocess.Popen[str]], grace: float = 30.0) -> l
             outputs.append((out, err))
             args = p.args if isinstance(p.args, list) else [p.args]
             name = " ".join(map(str, args[1:3]))
-            hung.append(f"{name} (pid {p.pid}) did not stop within {grace} s of SIGTERM:\n{err[-6000:]}")
+            hung.append(f"{name} (pid {p.pid}) did not stop within {grace} s of SIGTERM:\n{err[-20000:]}")
     assert not hung, "\n\n".join(hung)
     return outputs
